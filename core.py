@@ -1,0 +1,125 @@
+"""Pieces that do not depend on PyTorch: schedules, timing, tables, statistics, logs."""
+import json
+import math
+import os
+import subprocess
+import time
+
+
+def piecewise_linear(knots, values):
+    """f(t) interpolating linearly between (knots[i], values[i]); constant outside the knots."""
+    if len(knots) != len(values) or not knots:
+        raise ValueError("piecewise_linear needs as many values as knots (at least one)")
+    if any(b < a for a, b in zip(knots, knots[1:])):
+        raise ValueError(f"knots must be non-decreasing, got {knots}")
+
+    def f(t):
+        if t <= knots[0]:
+            return values[0]
+        for (k0, k1), (v0, v1) in zip(zip(knots, knots[1:]), zip(values, values[1:])):
+            if t <= k1:
+                return v1 if k1 == k0 else v0 + (v1 - v0) * (t - k0) / (k1 - k0)
+        return values[-1]
+    return f
+
+
+class Timer:
+    """Accumulates wall-clock time of the intervals it is told to count.
+
+    `synchronize` is called before each reading so asynchronous devices (CUDA) are measured, not queued."""
+
+    def __init__(self, synchronize=lambda: None):
+        self.synchronize = synchronize
+        self.total = 0.0
+        self.synchronize()
+        self._last = time.perf_counter()
+
+    def __call__(self, include_in_total=True):
+        self.synchronize()
+        now = time.perf_counter()
+        dt, self._last = now - self._last, now
+        if include_in_total:
+            self.total += dt
+        return dt
+
+
+def mean_std(xs):
+    """Mean and sample standard deviation (0 for a single value); NaN for an empty list."""
+    xs = [float(x) for x in xs]
+    if not xs:
+        return math.nan, math.nan
+    m = sum(xs) / len(xs)
+    if len(xs) == 1:
+        return m, 0.0
+    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def format_cell(v, width):
+    if isinstance(v, float):
+        s = f"{v:.4f}" if abs(v) < 1000 else f"{v:.1f}"
+    else:
+        s = str(v)
+    return s.rjust(width)
+
+
+class Table:
+    """Prints rows under a header as they arrive; the header is printed with the first row."""
+
+    def __init__(self, columns, width=10, out=print):
+        self.columns, self.width, self.out = list(columns), width, out
+        self.started = False
+
+    def row(self, values):
+        if not self.started:
+            self.out(" ".join(c.rjust(self.width) for c in self.columns))
+            self.started = True
+        self.out(" ".join(format_cell(values.get(c, ""), self.width) for c in self.columns))
+
+
+def write_json_atomic(path, obj):
+    """Write via a temporary file and rename, so a crash never leaves a half-written file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, allow_nan=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class TsvLog:
+    """Appends one flushed row per call, so rows written before a crash survive it."""
+
+    def __init__(self, path, columns):
+        self.path, self.columns = path, list(columns)
+        new = not os.path.exists(path) or os.path.getsize(path) == 0
+        self.f = open(path, "a")
+        if new:
+            self.f.write("\t".join(self.columns) + "\n")
+            self.f.flush()
+
+    def row(self, values):
+        self.f.write("\t".join(str(values.get(c, "")) for c in self.columns) + "\n")
+        self.f.flush()
+
+    def close(self):
+        self.f.close()
+
+
+def read_tsv(path):
+    with open(path) as f:
+        lines = [l.rstrip("\n").split("\t") for l in f if l.strip()]
+    return [dict(zip(lines[0], l)) for l in lines[1:]]
+
+
+def git_commit(directory=None):
+    """The checked-out commit, with '+dirty' when tracked files differ from it; None outside git."""
+    directory = directory or os.path.dirname(os.path.abspath(__file__))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=directory,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None

@@ -1,0 +1,404 @@
+"""Everything that needs PyTorch: data on the device, batched augmentation, networks, precision, FLOPs."""
+import contextlib
+import os
+import pickle
+import tarfile
+import zipfile
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR_STD = (0.2470, 0.2435, 0.2616)
+NUM_CLASSES = 10
+TARBALL = "cifar-10-python.tar.gz"
+BATCHES_DIR = "cifar-10-batches-py"
+
+
+class DataError(Exception):
+    """Missing, corrupt or malformed CIFAR-10 data; the message is meant for the user as is."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading: .npz, torchvision's batches folder, the official tarball, or a download.
+
+def _unpickle(f, what):
+    try:
+        d = pickle.load(f, encoding="bytes")
+        x = np.asarray(d[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+        return x, np.asarray(d[b"labels"], dtype=np.int64)
+    except Exception as e:  # any unpickling or shape failure means the file is not a CIFAR batch
+        raise DataError(f"{what}: not a readable CIFAR-10 batch ({type(e).__name__}: {e})") from None
+
+
+def _join_batches(train, test):
+    return dict(train_x=np.concatenate([b[0] for b in train]), train_y=np.concatenate([b[1] for b in train]),
+                test_x=test[0], test_y=test[1])
+
+
+def _load_batches_dir(d):
+    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    missing = [n for n in names if not os.path.isfile(os.path.join(d, n))]
+    if missing:
+        raise DataError(f"{d}: incomplete CIFAR-10 folder, missing {', '.join(missing)}")
+    batches = []
+    for n in names:
+        with open(os.path.join(d, n), "rb") as f:
+            batches.append(_unpickle(f, os.path.join(d, n)))
+    return _join_batches(batches[:5], batches[5])
+
+
+def _load_tarball(path):
+    try:
+        with tarfile.open(path, "r:gz") as tar:
+            members = {os.path.basename(m.name): m for m in tar.getmembers() if m.isfile()}
+            names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+            missing = [n for n in names if n not in members]
+            if missing:
+                raise DataError(f"{path}: not a CIFAR-10 tarball, missing {', '.join(missing)}")
+            batches = [_unpickle(tar.extractfile(members[n]), f"{path}:{n}") for n in names]
+    except (tarfile.TarError, EOFError, OSError, zipfile.BadZipFile) as e:
+        raise DataError(f"{path}: truncated or corrupt tarball ({type(e).__name__}: {e})") from None
+    return _join_batches(batches[:5], batches[5])
+
+
+def _load_npz(path):
+    keys = ("train_x", "train_y", "test_x", "test_y")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            missing = [k for k in keys if k not in z.files]
+            if missing:
+                raise DataError(f"{path}: missing arrays {', '.join(missing)} (expected {', '.join(keys)})")
+            return {k: z[k] for k in keys}
+    except DataError:
+        raise
+    except Exception as e:  # zipfile, zlib, EOF and value errors all mean a damaged file
+        raise DataError(f"{path}: truncated or corrupt .npz ({type(e).__name__}: {e})") from None
+
+
+def validate(data, where):
+    """Shapes (N, 32, 32, 3) uint8 and integer labels 0..9, one per image, every class present."""
+    for split in ("train", "test"):
+        x, y = data[f"{split}_x"], data[f"{split}_y"]
+        if x.ndim != 4 or x.shape[1:] != (32, 32, 3):
+            raise DataError(f"{where}: {split}_x has shape {x.shape}, expected (N, 32, 32, 3) RGB images")
+        if x.dtype != np.uint8:
+            raise DataError(f"{where}: {split}_x has dtype {x.dtype}, expected uint8 pixels 0..255")
+        if y.ndim != 1 or len(y) != len(x):
+            raise DataError(f"{where}: {split}_y has shape {y.shape}, expected ({len(x)},) labels")
+        if not np.issubdtype(y.dtype, np.integer):
+            raise DataError(f"{where}: {split}_y has dtype {y.dtype}, expected integer labels")
+        if len(y) == 0 or y.min() < 0 or y.max() >= NUM_CLASSES:
+            raise DataError(f"{where}: {split}_y must hold labels 0..{NUM_CLASSES - 1}")
+        if len(np.unique(y)) != NUM_CLASSES:
+            raise DataError(f"{where}: {split}_y lacks some of the {NUM_CLASSES} classes")
+    return {k: (v.astype(np.int64) if k.endswith("_y") else v) for k, v in data.items()}
+
+
+def _download(root, hint):
+    try:
+        import torchvision  # only the download needs it
+    except ImportError:
+        raise DataError(f"no CIFAR-10 data at {root}, and torchvision (to download it) is not installed; "
+                        f"{hint}") from None
+    try:
+        os.makedirs(root, exist_ok=True)
+        torchvision.datasets.CIFAR10(root=root, train=True, download=True)  # checks the archive's md5
+    except Exception as e:
+        raise DataError(f"no CIFAR-10 data at {root}, and downloading it failed ({type(e).__name__}: {e}); "
+                        f"offline, {hint}") from None
+    return _load_batches_dir(os.path.join(root, BATCHES_DIR))
+
+
+def load_cifar10(path, download=True):
+    """Returns validated numpy arrays train_x, train_y, test_x, test_y (NHWC uint8, int64 labels).
+
+    `path` is an .npz, the official tarball, a cifar-10-batches-py folder, or a folder holding one of these
+    (where nothing is found and `download` is set, torchvision downloads into that folder)."""
+    hint = f"pass --data PATH to a cifar10.npz, a {BATCHES_DIR}/ folder or {TARBALL} (or set CIFAR10_DATA)"
+    if os.path.isfile(path):
+        data = _load_npz(path) if path.endswith(".npz") else _load_tarball(path)
+    elif os.path.isfile(os.path.join(path, "data_batch_1")):
+        data = _load_batches_dir(path)
+    elif os.path.isdir(os.path.join(path, BATCHES_DIR)):
+        data = _load_batches_dir(os.path.join(path, BATCHES_DIR))
+    elif os.path.isfile(os.path.join(path, TARBALL)):
+        data = _load_tarball(os.path.join(path, TARBALL))
+    elif os.path.isfile(os.path.join(path, "cifar10.npz")):
+        data = _load_npz(os.path.join(path, "cifar10.npz"))
+    elif download and not path.endswith((".npz", ".gz")):
+        data = _download(path, hint)
+    else:
+        raise DataError(f"no CIFAR-10 data at {path}; {hint}")
+    return validate(data, path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# On the device: normalise and pad once; augment whole batches with random numbers drawn per epoch.
+
+def default_device():
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def synchronizer(device):
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def to_device(data, device, dtype, pad=0):
+    """Normalised images; train kept NHWC and reflect-padded by `pad` for cropping, test as channels_last NCHW."""
+    mean = torch.tensor(CIFAR_MEAN, device=device) * 255
+    std = torch.tensor(CIFAR_STD, device=device) * 255
+
+    def norm(x):
+        return ((torch.from_numpy(x).to(device).float() - mean) / std)
+
+    train = norm(data["train_x"])
+    if pad:
+        train = F.pad(train.permute(0, 3, 1, 2), (pad,) * 4, mode="reflect").permute(0, 2, 3, 1)
+    test = norm(data["test_x"]).permute(0, 3, 1, 2)
+    return dict(train_x=train.contiguous().to(dtype), train_y=torch.from_numpy(data["train_y"]).to(device),
+                test_x=test.to(dtype), test_y=torch.from_numpy(data["test_y"]).to(device))
+
+
+def draw_augmentation(n, pad, cutout, flip, generator, device, size=32):
+    """Random numbers for n examples at once: crop offsets in [0, 2*pad], flip bits, cutout corners."""
+    def randint(high):
+        return torch.randint(0, high, (n,), generator=generator, device=device)
+    zeros = torch.zeros(n, dtype=torch.long, device=device)
+    return dict(dy=randint(2 * pad + 1) if pad else zeros, dx=randint(2 * pad + 1) if pad else zeros,
+                flip=(randint(2).bool() if flip else zeros.bool()),
+                cy=randint(size - cutout + 1) if cutout else zeros, cx=randint(size - cutout + 1) if cutout else zeros)
+
+
+def augment(x_padded_nhwc, index, aug, size=32, cutout=0):
+    """Crop, flip and cut out a batch in a few tensor ops.
+
+    x_padded_nhwc: (N, H+2p, W+2p, C) data set; index: (B,) rows to take; aug: draw_augmentation() for those
+    rows. Returns a (B, C, size, size) channels_last batch."""
+    ar = torch.arange(size, device=index.device)
+    rows = aug["dy"][:, None] + ar                                  # (B, size)
+    cols = aug["dx"][:, None] + torch.where(aug["flip"][:, None], size - 1 - ar, ar)
+    out = x_padded_nhwc[index[:, None, None], rows[:, :, None], cols[:, None, :]]  # (B, size, size, C)
+    if cutout:
+        inside_y = (ar >= aug["cy"][:, None]) & (ar < aug["cy"][:, None] + cutout)
+        inside_x = (ar >= aug["cx"][:, None]) & (ar < aug["cx"][:, None] + cutout)
+        out = out.masked_fill((inside_y[:, :, None] & inside_x[:, None, :])[..., None], 0)
+    return out.permute(0, 3, 1, 2)
+
+
+def augment_reference(x_padded_nhwc, index, aug, size=32, cutout=0):
+    """The same augmentation one example at a time: the readable definition the batched one must match."""
+    out = []
+    for b, i in enumerate(index.tolist()):
+        dy, dx = int(aug["dy"][b]), int(aug["dx"][b])
+        img = x_padded_nhwc[i, dy:dy + size, dx:dx + size].permute(2, 0, 1).clone()
+        if aug["flip"][b]:
+            img = img.flip(2)
+        if cutout:
+            cy, cx = int(aug["cy"][b]), int(aug["cx"][b])
+            img[:, cy:cy + cutout, cx:cx + cutout] = 0
+        out.append(img)
+    return torch.stack(out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Precision
+
+def resolve_precision(name, device):
+    """auto: bf16 where the hardware runs it natively, fp16 on older CUDA GPUs, fp32 otherwise."""
+    if name != "auto":
+        if name == "fp16" and device.type == "cpu":
+            raise ValueError("fp16 is for CUDA GPUs; on a CPU use --precision bf16 or fp32")
+        return name
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "bf16" if cpu_has_bf16() else "fp32"
+
+
+def cpu_has_bf16():
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+        return any(flag in flags for flag in ("avx512_bf16", "amx_bf16"))
+    except OSError:
+        return torch.backends.mkldnn.is_available() and hasattr(torch.backends.cpu, "get_cpu_capability") and \
+            "AVX512" in torch.backends.cpu.get_cpu_capability()
+
+
+DTYPES = dict(fp32=torch.float32, bf16=torch.bfloat16, fp16=torch.float16)
+
+
+def autocast(precision, device):
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=DTYPES[precision])
+
+
+def device_name(device):
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "CPU")
+    except OSError:
+        model = "CPU"
+    return f"{model} ({torch.get_num_threads()} threads)"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Networks. BatchNorm runs in fp32 under autocast (PyTorch's autocast policy keeps its statistics in fp32).
+
+def conv_bn(c_in, c_out, bn_weight_frozen=False):
+    bn = nn.BatchNorm2d(c_out)
+    if bn_weight_frozen:
+        bn.weight.requires_grad_(False)
+    return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), bn, nn.ReLU(inplace=True))
+
+
+class Residual(nn.Module):
+    def __init__(self, *layers):
+        super().__init__()
+        self.body = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return x + self.body(x)
+
+
+class Scale(nn.Module):
+    def __init__(self, factor):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x):
+        return x * self.factor
+
+
+def resnet9(widths=(64, 128, 256, 512), head_scale=0.125):
+    """Myrtle's DAWNBench ResNet-9: prep, three pooled layers, residual blocks after the 1st and 3rd."""
+    w0, w1, w2, w3 = widths
+    return nn.Sequential(
+        conv_bn(3, w0),
+        conv_bn(w0, w1), nn.MaxPool2d(2), Residual(conv_bn(w1, w1), conv_bn(w1, w1)),
+        conv_bn(w1, w2), nn.MaxPool2d(2),
+        conv_bn(w2, w3), nn.MaxPool2d(2), Residual(conv_bn(w3, w3), conv_bn(w3, w3)),
+        nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(w3, NUM_CLASSES, bias=False), Scale(head_scale))
+
+
+class PreActBlock(nn.Module):
+    """Pre-activation basic block. `duplicate_bn_relu` gives the shortcut its own BN-ReLU, as in the
+    DAWNBench baseline; the simplified variant shares the main branch's (He et al. 2016)."""
+
+    def __init__(self, c_in, c_out, stride, duplicate_bn_relu):
+        super().__init__()
+        self.bn1 = nn.BatchNorm2d(c_in)
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.shortcut = None
+        if stride != 1 or c_in != c_out:
+            self.shortcut = nn.Conv2d(c_in, c_out, 1, stride, bias=False)
+            self.shortcut_bn = nn.BatchNorm2d(c_in) if duplicate_bn_relu else None
+
+    def forward(self, x):
+        a = F.relu(self.bn1(x))
+        if self.shortcut is None:
+            skip = x
+        else:
+            skip = self.shortcut(F.relu(self.shortcut_bn(x)) if self.shortcut_bn is not None else a)
+        return skip + self.conv2(F.relu(self.bn2(self.conv1(a))))
+
+
+def preact_resnet18(duplicate_bn_relu=False, widths=(64, 128, 256, 512)):
+    layers, c_in = [nn.Conv2d(3, widths[0], 3, 1, 1, bias=False)], widths[0]
+    for i, w in enumerate(widths):
+        for j in range(2):
+            layers.append(PreActBlock(c_in, w, 2 if (i > 0 and j == 0) else 1, duplicate_bn_relu))
+            c_in = w
+    layers += [nn.BatchNorm2d(c_in), nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+               nn.Linear(c_in, NUM_CLASSES)]
+    return nn.Sequential(*layers)
+
+
+def patch_whitening(train_x_nchw, patch=2, eps=5e-4, max_images=5000):
+    """Conv weights that whiten patch x patch image patches: eigenvectors of the patch covariance scaled by
+    1/sqrt(eigenvalue), with their negatives so a following GELU/ReLU loses nothing. Computed from data."""
+    x = train_x_nchw[:max_images].float()
+    c = x.shape[1]
+    patches = x.unfold(2, patch, 1).unfold(3, patch, 1).transpose(1, 3).reshape(-1, c * patch * patch).double()
+    patches = patches - patches.mean(0)
+    cov = patches.T @ patches / len(patches)
+    eigval, eigvec = torch.linalg.eigh(cov)
+    w = (eigvec.T / torch.sqrt(eigval + eps)[:, None]).reshape(-1, c, patch, patch).float()
+    return torch.cat([w, -w])
+
+
+class FastNet(nn.Module):
+    """Our record net: frozen whitening conv, three conv-pool-BN-GELU-conv-BN-GELU blocks, max-pool head.
+    Convs start as identity (dirac) maps; BN scales are frozen at 1 so only BN biases adapt."""
+
+    def __init__(self, widths=(64, 256, 256), whiten_width=24, whiten_patch=2, head_scale=1 / 9, bn_momentum=0.4):
+        super().__init__()
+        self.whiten = nn.Conv2d(3, whiten_width, whiten_patch, bias=True)
+        self.whiten.weight.requires_grad_(False)
+        blocks, c_in = [], whiten_width
+        for w in widths:
+            conv1, conv2 = nn.Conv2d(c_in, w, 3, padding=1, bias=False), nn.Conv2d(w, w, 3, padding=1, bias=False)
+            for conv in (conv1, conv2):
+                nn.init.dirac_(conv.weight[:conv.in_channels])
+            bn1, bn2 = nn.BatchNorm2d(w, momentum=bn_momentum, eps=1e-12), nn.BatchNorm2d(w, momentum=bn_momentum, eps=1e-12)
+            for bn in (bn1, bn2):
+                bn.weight.requires_grad_(False)
+            blocks += [conv1, nn.MaxPool2d(2), bn1, nn.GELU(), conv2, bn2, nn.GELU()]
+            c_in = w
+        self.blocks = nn.Sequential(*blocks)
+        self.head = nn.Linear(c_in, NUM_CLASSES, bias=False)
+        self.head_scale = head_scale
+
+    def init_whitening(self, train_x_nchw):
+        with torch.no_grad():
+            self.whiten.weight.copy_(patch_whitening(train_x_nchw, self.whiten.kernel_size[0])[:self.whiten.out_channels])
+            self.whiten.bias.zero_()
+
+    def forward(self, x):
+        x = self.blocks(F.gelu(self.whiten(x)))
+        x = F.adaptive_max_pool2d(x, 1).flatten(1)
+        return self.head(x) * self.head_scale
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Evaluation and FLOPs
+
+def tta_views(x, level):
+    """Test-time views: 0 the image; 1 adds its mirror; 2 adds both shifted by one pixel (reflect-padded)."""
+    if level == 0:
+        return [x]
+    views = [x, x.flip(3)]
+    if level >= 2:
+        p = F.pad(x, (1, 1, 1, 1), mode="reflect")
+        shifted = [p[:, :, :-2, :-2], p[:, :, 2:, 2:]]
+        views += shifted + [s.flip(3) for s in shifted]
+    return views
+
+
+@torch.no_grad()
+def predict(model, x, precision, device, batch_size=1000, tta=0):
+    """Logits averaged over TTA views, in fp32."""
+    model.eval()
+    outs = []
+    for i in range(0, len(x), batch_size):
+        xb = x[i:i + batch_size]
+        with autocast(precision, device):
+            outs.append(torch.stack([model(v).float() for v in tta_views(xb, tta)]).mean(0))
+    model.train()
+    return torch.cat(outs)
+
+
+def count_flops(fn):
+    """FLOPs (multiply-adds count 2) of one call of fn, counted by PyTorch's dispatcher, not estimated."""
+    from torch.utils.flop_counter import FlopCounterMode
+    counter = FlopCounterMode(display=False)
+    with counter:
+        fn()
+    return counter.get_total_flops()

@@ -1,0 +1,418 @@
+"""Train a network on CIFAR-10 as fast as possible and time it the way the field does.
+
+    python train_cifar.py                              # the default record net (fast94), one run
+    python train_cifar.py --preset resnet9 --runs 5    # Myrtle's DAWNBench ResNet-9, five seeds
+    python train_cifar.py --preset resnet9 --epochs 30 --lr-values 0 0.3 0   # any hyper-parameter
+
+The timer covers training (data already on the device) and the final evaluation; the per-epoch evaluations
+that fill the table are excluded, as is the one-time warm-up. See README.md.
+"""
+import argparse
+import datetime
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import core
+import torch_backend as tb
+
+# ---------------------------------------------------------------------------------------------------------------
+# Presets. Each states where it comes from and what it should reach. lr is the peak of a piecewise-linear
+# schedule (knots in epochs) for SGD on the batch-mean loss; weight_decay is PyTorch's L2 coefficient.
+
+COMMON = dict(
+    precision="auto", target=0.94, runs=1, seed=0, eval_every=1, momentum=0.9, nesterov=True,
+    label_smoothing=0.0, bias_lr_scale=1.0, flip="random", pad=4, cutout=0, tta=0,
+    whiten_bias_epochs=0, lookahead_start_epoch=-1, lookahead_every=5, lookahead_decay=0.95, lookahead_pow=3.0,
+    compile=False, widths=(),
+)
+
+PRESETS = {
+    # Myrtle's DAWNBench ResNet-9 ("How to train your ResNet 4"): 94% in 79 s on one V100. Their summed loss
+    # with lr 0.4/512 and weight decay 5e-4*512 is exactly this mean-loss form.
+    "resnet9": dict(
+        net="resnet9", widths=(64, 128, 256, 512), epochs=24, batch_size=512,
+        lr_knots=(0, 5, 24), lr_values=(0, 0.4, 0), momentum=0.9, weight_decay=5e-4, pad=4, cutout=8),
+    # Myrtle's "bag of tricks" ResNet-9: 94.1% in 10 epochs with TTA (26 s on one V100). This preset keeps the
+    # net and adds the tricks we have: label smoothing, frozen BN scales with fast BN biases, lookahead, TTA.
+    "resnet9-tricks": dict(
+        net="resnet9", widths=(64, 128, 256, 512), epochs=10, batch_size=512,
+        lr_knots=(0, 2, 10), lr_values=(0, 0.4, 0), momentum=0.9, weight_decay=5e-4, pad=4, cutout=8,
+        label_smoothing=0.2, tta=1),
+    # The DAWNBench single-GPU baseline analysed in Myrtle's post 1: 18-layer pre-activation ResNet, 35 epochs,
+    # batch 128, piecewise-linear LR; 94% in 341 s on one V100. Its shortcut has a BN-ReLU of its own.
+    "resnet18": dict(
+        net="preact_resnet18_dup", widths=(64, 128, 256, 512), epochs=35, batch_size=128,
+        lr_knots=(0, 15, 30, 35), lr_values=(0, 0.1, 0.005, 0), momentum=0.9, weight_decay=5e-4, pad=4),
+    # The same without the duplicated BN-ReLU (Myrtle post 1): fewer FLOPs, same accuracy.
+    "resnet18-simple": dict(
+        net="preact_resnet18", widths=(64, 128, 256, 512), epochs=35, batch_size=128,
+        lr_knots=(0, 15, 30, 35), lr_values=(0, 0.1, 0.005, 0), momentum=0.9, weight_decay=5e-4, pad=4),
+    # Our record net for 94%: whitening + dirac-initialised conv blocks, frozen BN scales with 64x faster
+    # BN biases, label smoothing 0.2, alternating flips, translate 2, lookahead and 6-view TTA.
+    # In the form of the field's 94% records (airbench94: 94.01%, n=1000, on an A100).
+    "fast94": dict(
+        net="fastnet", widths=(64, 256, 256), epochs=9.9, batch_size=1024,
+        lr_knots=(0, 2.277, 9.9), lr_values=(0.30, 1.5, 0.105), momentum=0.85, weight_decay=1.33e-3,
+        bias_lr_scale=64.0, label_smoothing=0.2, flip="alternate", pad=2, cutout=0, tta=2,
+        whiten_bias_epochs=3, lookahead_start_epoch=3, lookahead_every=5, lookahead_decay=0.95, lookahead_pow=3.0),
+}
+DEFAULT_PRESET = "fast94"
+NETS = ("resnet9", "preact_resnet18", "preact_resnet18_dup", "fastnet")
+
+
+def make_config(preset=DEFAULT_PRESET, **overrides):
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    cfg = dict(COMMON, **PRESETS[preset], preset=preset)
+    unknown = set(overrides) - set(cfg)
+    if unknown:
+        raise ValueError(f"unknown option(s) {', '.join(sorted(unknown))}")
+    cfg.update({k: v for k, v in overrides.items() if v is not None})
+    check_config(cfg)
+    return cfg
+
+
+def check_config(cfg):
+    """Impossible options are errors here, before any data is touched."""
+    def need(ok, msg):
+        if not ok:
+            raise ValueError(msg)
+    need(cfg["net"] in NETS, f"unknown net {cfg['net']!r}; choose one of {', '.join(NETS)}")
+    need(cfg["epochs"] > 0, f"epochs must be positive, got {cfg['epochs']}")
+    need(int(cfg["batch_size"]) == cfg["batch_size"] and cfg["batch_size"] > 0,
+         f"batch size must be a positive integer, got {cfg['batch_size']}")
+    need(0 < cfg["target"] <= 1, f"target must be in (0, 1], got {cfg['target']}")
+    need(cfg["runs"] >= 1, f"runs must be at least 1, got {cfg['runs']}")
+    need(len(cfg["lr_knots"]) == len(cfg["lr_values"]) >= 1, "lr-knots and lr-values need the same length")
+    need(all(b >= a for a, b in zip(cfg["lr_knots"], cfg["lr_knots"][1:])), "lr-knots must be non-decreasing")
+    need(all(math.isfinite(v) and v >= 0 for v in cfg["lr_values"]), "lr-values must be finite and >= 0")
+    need(0 <= cfg["momentum"] < 1, f"momentum must be in [0, 1), got {cfg['momentum']}")
+    need(cfg["weight_decay"] >= 0 and cfg["bias_lr_scale"] > 0, "weight decay must be >= 0, bias-lr-scale > 0")
+    need(0 <= cfg["label_smoothing"] < 1, "label smoothing must be in [0, 1)")
+    need(cfg["flip"] in ("none", "random", "alternate"), "flip must be none, random or alternate")
+    need(0 <= cfg["pad"] <= 16 and 0 <= cfg["cutout"] <= 32, "pad must be in 0..16 and cutout in 0..32")
+    need(cfg["tta"] in (0, 1, 2), "tta must be 0 (none), 1 (mirror) or 2 (mirror + translate)")
+    need(cfg["precision"] in ("auto", "fp32", "bf16", "fp16"), "precision must be auto, fp32, bf16 or fp16")
+    need(cfg["eval_every"] >= 0, "eval-every must be >= 0 (0: only at the end)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One run
+
+class Diverged(RuntimeError):
+    pass
+
+
+def build_model(cfg, device, train_x_nhwc=None):
+    w = tuple(cfg["widths"])
+    if cfg["net"] == "resnet9":
+        model = tb.resnet9(w or (64, 128, 256, 512))
+    elif cfg["net"].startswith("preact_resnet18"):
+        model = tb.preact_resnet18(cfg["net"].endswith("_dup"), w or (64, 128, 256, 512))
+    else:
+        model = tb.FastNet(w or (64, 256, 256))
+        if train_x_nhwc is not None:
+            p = cfg["pad"]
+            unpadded = train_x_nhwc[:, p:train_x_nhwc.shape[1] - p, p:train_x_nhwc.shape[2] - p]
+            model.init_whitening(unpadded.permute(0, 3, 1, 2))
+    return model.to(device).to(memory_format=torch.channels_last)
+
+
+def make_optimizer(cfg, model):
+    """Two groups: BN biases (and the whitening bias) take bias_lr_scale times the LR and 1/bias_lr_scale
+    times the weight decay, so their decay per step is the same as everything else's."""
+    fast = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim == 1 and "head" not in n]
+    fast_ids = {id(p) for p in fast}
+    slow = [p for p in model.parameters() if p.requires_grad and id(p) not in fast_ids]
+    s = cfg["bias_lr_scale"]
+    groups = [dict(params=slow, lr_scale=1.0, weight_decay=cfg["weight_decay"]),
+              dict(params=fast, lr_scale=s, weight_decay=cfg["weight_decay"] / s)]
+    if s == 1.0:
+        groups = [dict(params=slow + fast, lr_scale=1.0, weight_decay=cfg["weight_decay"])]
+    return torch.optim.SGD(groups, lr=0.0, momentum=cfg["momentum"], nesterov=cfg["nesterov"] and cfg["momentum"] > 0)
+
+
+class Lookahead:
+    """Every few steps, pull the weights towards a slow average and copy the average back into the net."""
+
+    def __init__(self, model):
+        self.model = model
+        self.avg = {k: v.detach().clone() for k, v in model.state_dict().items() if v.is_floating_point()}
+
+    @torch.no_grad()
+    def update(self, decay):
+        state = self.model.state_dict()
+        for k, avg in self.avg.items():
+            avg.lerp_(state[k], 1 - decay)
+            state[k].copy_(avg)
+
+
+def steps_per_epoch(cfg, n_train):
+    return n_train // cfg["batch_size"]
+
+
+def train_flops(cfg, model, device, precision, batch_size):
+    """FLOPs of one training step (forward and backward) at this batch size; the update itself is ignored."""
+    x = torch.randn(batch_size, 3, 32, 32, device=device).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (batch_size,), device=device)
+
+    def step():
+        with tb.autocast(precision, device):
+            loss = F.cross_entropy(model(x).float(), y)
+        loss.backward()
+    flops = tb.count_flops(step)
+    model.zero_grad(set_to_none=True)
+    return flops
+
+
+def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=None):
+    """Trains one network from scratch and returns its result entry (the `runs` item of the summary)."""
+    sync = tb.synchronizer(device)
+    torch.manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    n_train, bs = len(data["train_y"]), cfg["batch_size"]
+    per_epoch = steps_per_epoch(cfg, n_train)
+    total_steps = math.ceil(per_epoch * cfg["epochs"])
+    lr_at = core.piecewise_linear(list(cfg["lr_knots"]), list(cfg["lr_values"]))
+    lookahead, rows = None, []
+    result = dict(seed=seed, accuracy=None, epoch_reached_target=None, time_to_target_s=None,
+                  total_time_s=None, train_flops=None, diverged=False, epochs=rows)
+
+    timer = core.Timer(sync)
+    model = build_model(cfg, device, data["train_x"])  # the whitening is fitted to data: timed
+    opt = make_optimizer(cfg, model)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    step_fn = model
+    if cfg["compile"]:
+        step_fn = torch.compile(model)
+    base_flip = torch.randint(0, 2, (n_train,), generator=gen, device=device).bool()
+    step = 0
+    for epoch in range(1, math.ceil(total_steps / per_epoch) + 1):
+        if cfg["whiten_bias_epochs"] and hasattr(model, "whiten"):
+            model.whiten.bias.requires_grad_(epoch <= cfg["whiten_bias_epochs"])
+        perm = torch.randperm(n_train, generator=gen, device=device)
+        aug = tb.draw_augmentation(n_train, cfg["pad"], cfg["cutout"], cfg["flip"] == "random", gen, device)
+        if cfg["flip"] == "alternate":  # each image's flip is random once, then alternates every epoch
+            aug["flip"] = base_flip[perm] ^ bool((epoch - 1) % 2)
+        loss_sum = torch.zeros((), device=device)
+        correct = torch.zeros((), device=device, dtype=torch.long)
+        seen = 0
+        model.train()
+        for i in range(per_epoch):
+            if step >= total_steps:
+                break
+            lr = lr_at(step / per_epoch)
+            for g in opt.param_groups:
+                g["lr"] = lr * g["lr_scale"]
+            sl = slice(i * bs, (i + 1) * bs)
+            idx = perm[sl]
+            x = tb.augment(data["train_x"], idx, {k: v[sl] for k, v in aug.items()}, cutout=cfg["cutout"])
+            y = data["train_y"][idx]
+            with tb.autocast(precision, device):
+                out = step_fn(x)
+            loss = F.cross_entropy(out.float(), y, label_smoothing=cfg["label_smoothing"])
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            step += 1
+            loss_sum += loss.detach() * len(y)
+            correct += (out.detach().argmax(1) == y).sum()
+            seen += len(y)
+            if 0 <= cfg["lookahead_start_epoch"] < epoch and step % cfg["lookahead_every"] == 0:
+                if lookahead is None:
+                    lookahead = Lookahead(model)
+                else:  # average weakly early on and strongly at the end
+                    decay = cfg["lookahead_decay"] ** cfg["lookahead_every"] * (step / total_steps) ** cfg["lookahead_pow"]
+                    lookahead.update(decay)
+        if lookahead is not None:
+            lookahead.update(1.0)
+        train_loss = (loss_sum / seen).item()  # one host sync per epoch
+        epoch_time = timer()
+        last = step >= total_steps
+        if not math.isfinite(train_loss):
+            result.update(diverged=True, total_time_s=timer.total)
+            rows.append(dict(run=run_index, epoch=epoch, lr=lr, train_loss=train_loss, train_acc=correct.item() / seen,
+                             test_acc=float("nan"), epoch_time=epoch_time, total_time=timer.total))
+            if on_epoch:
+                on_epoch(rows[-1])
+            raise Diverged(f"run {run_index} (seed {seed}) diverged: training loss is {train_loss} at epoch {epoch}; "
+                           f"try a lower --lr-values or another --precision")
+        test_acc = None
+        if last or (cfg["eval_every"] and epoch % cfg["eval_every"] == 0):
+            tta = cfg["tta"] if last else 0
+            logits = tb.predict(model, data["test_x"], precision, device, tta=tta)
+            test_acc = (logits.argmax(1) == data["test_y"]).float().mean().item()
+            timer(include_in_total=last)  # only the final evaluation counts towards the time
+        row = dict(run=run_index, epoch=epoch, lr=lr, train_loss=train_loss, train_acc=correct.item() / seen,
+                   test_acc=test_acc if test_acc is not None else float("nan"), epoch_time=epoch_time,
+                   total_time=timer.total)
+        rows.append(row)
+        if on_epoch:
+            on_epoch(row)
+        if test_acc is not None and test_acc >= cfg["target"] and result["epoch_reached_target"] is None:
+            result.update(epoch_reached_target=epoch, time_to_target_s=timer.total)
+        if last:
+            result.update(accuracy=test_acc, total_time_s=timer.total)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Many runs, logs, summary
+
+TABLE_COLUMNS = ["run", "epoch", "lr", "train_loss", "train_acc", "test_acc", "epoch_time", "total_time"]
+
+
+def summarise(cfg, results, hardware, precision, flops_per_step, steps, commit):
+    done = [r for r in results if r["accuracy"] is not None]
+    acc_mean, acc_std = core.mean_std([r["accuracy"] for r in done])
+    reached = [r for r in done if r["epoch_reached_target"] is not None]
+    time_mean, time_std = core.mean_std([r["total_time_s"] for r in done])
+    ttt_mean, ttt_std = core.mean_std([r["time_to_target_s"] for r in reached])
+    return dict(
+        preset=cfg["preset"], config={k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()},
+        precision=precision, hardware=hardware, torch=torch.__version__, commit=commit,
+        started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        train_flops_per_step=flops_per_step, train_steps=steps, runs=results,
+        accuracy_mean=acc_mean, accuracy_std=acc_std, runs_reaching_target=len(reached), runs_finished=len(done),
+        total_time_mean_s=time_mean, total_time_std_s=time_std,
+        time_to_target_mean_s=ttt_mean, time_to_target_std_s=ttt_std)
+
+
+def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=print, log_dir=None, **overrides):
+    """Runs one configuration (cfg['runs'] seeds) and returns the summary that is also written as JSON.
+
+    data: numpy arrays as returned by torch_backend.load_cifar10 (else loaded from data_path, default
+    $CIFAR10_DATA or ./data).
+    log_dir: where the JSON summary and TSV table go (None: write nothing). Raises Diverged on NaN loss."""
+    cfg = make_config(preset, **overrides)
+    device = torch.device(device) if device is not None else tb.default_device()
+    precision = tb.resolve_precision(cfg["precision"], device)
+    if data is None:
+        data = tb.load_cifar10(data_path or default_data_path())
+    data = tb.validate(dict(data), "data")
+    if cfg["batch_size"] > len(data["train_y"]):
+        raise ValueError(f"batch size {cfg['batch_size']} exceeds the {len(data['train_y'])} training images")
+    on_device = tb.to_device(data, device, tb.DTYPES[precision], pad=cfg["pad"])
+    hardware, commit = tb.device_name(device), core.git_commit()  # the code as it was when the run started
+
+    # Warm-up outside the timer: one counted step (FLOPs) and one plain step on a throwaway net.
+    warm = build_model(cfg, device, on_device["train_x"])
+    flops_per_step = train_flops(cfg, warm, device, precision, cfg["batch_size"])
+    train_flops(cfg, warm, device, precision, cfg["batch_size"])
+    del warm
+    steps = math.ceil(steps_per_epoch(cfg, len(data["train_y"])) * cfg["epochs"])
+
+    name = f"{cfg['preset']}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    tsv = json_path = None
+    if log_dir:
+        os.makedirs(log_dir, exist_ok=True)
+        tsv = core.TsvLog(os.path.join(log_dir, name + ".tsv"), TABLE_COLUMNS)
+        json_path = os.path.join(log_dir, name + ".json")
+    table = core.Table(TABLE_COLUMNS, out=log)
+
+    def on_epoch(row):
+        table.row(row)
+        if tsv:
+            tsv.row(row)
+
+    results = []
+    log(f"preset {cfg['preset']} | {hardware} | {precision} | torch {torch.__version__} | "
+        f"{flops_per_step * steps / 1e15:.3f} PFLOPs per run")
+    try:
+        for r in range(cfg["runs"]):
+            try:
+                res = run_once(cfg, on_device, r, cfg["seed"] + r, device, precision, log=log, on_epoch=on_epoch)
+            except Diverged:
+                results.append(dict(seed=cfg["seed"] + r, accuracy=None, epoch_reached_target=None,
+                                    time_to_target_s=None, total_time_s=None, train_flops=None, diverged=True))
+                raise
+            res["train_flops"] = flops_per_step * steps
+            results.append(res)
+            if json_path:  # rewritten after every run so a crash keeps the finished ones
+                core.write_json_atomic(json_path, summarise(cfg, results, hardware, precision, flops_per_step, steps, commit))
+    finally:
+        summary = summarise(cfg, results, hardware, precision, flops_per_step, steps, commit)
+        if json_path:
+            core.write_json_atomic(json_path, summary)
+        if tsv:
+            tsv.close()
+    summary["log_json"] = json_path
+    return summary
+
+
+def default_data_path():
+    return os.environ.get("CIFAR10_DATA") or "./data"
+
+
+def print_summary(s, log=print):
+    n = s["runs_finished"]
+    log(f"\n{s['preset']}: accuracy {100 * s['accuracy_mean']:.2f} ± {100 * s['accuracy_std']:.2f}% over {n} run(s); "
+        f"{s['runs_reaching_target']}/{n} reached {100 * s['config']['target']:.1f}%")
+    log(f"time: {s['total_time_mean_s']:.1f} ± {s['total_time_std_s']:.1f} s per run"
+        + (f", to target {s['time_to_target_mean_s']:.1f} s" if s["runs_reaching_target"] else "")
+        + f"; training FLOPs {s['train_flops_per_step'] * s['train_steps'] / 1e15:.3f} PF per run"
+        + f"; {s['hardware']}, {s['precision']}")
+    if s.get("log_json"):
+        log(f"log: {s['log_json']}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Command line: every hyper-parameter of the chosen preset can be overridden.
+
+def str2bool(s):
+    if s.lower() in ("1", "true", "yes", "on"):
+        return True
+    if s.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                epilog="Presets: " + ", ".join(PRESETS), formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--preset", default=DEFAULT_PRESET, choices=list(PRESETS))
+    p.add_argument("--data", default=None, help="CIFAR-10 .npz, tarball or folder (default: $CIFAR10_DATA or ./data)")
+    p.add_argument("--log-dir", default="logs", help="where the JSON summary and TSV table go ('' for none)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    keys = sorted(set(COMMON) | {k for cfg in PRESETS.values() for k in cfg})
+    for k in keys:
+        example = next(cfg[k] for cfg in [COMMON, *PRESETS.values()] if k in cfg)
+        flag = "--" + k.replace("_", "-")
+        if isinstance(example, bool):
+            p.add_argument(flag, type=str2bool, default=None, metavar="BOOL")
+        elif isinstance(example, (tuple, list)):
+            p.add_argument(flag, type=float if k != "widths" else int, nargs="+", default=None)
+        elif k in ("epochs",) or isinstance(example, float):
+            p.add_argument(flag, type=float, default=None)
+        elif isinstance(example, int):
+            p.add_argument(flag, type=int, default=None)
+        else:
+            p.add_argument(flag, type=str, default=None)
+    return p, p.parse_args(argv)
+
+
+def main(argv=None):
+    parser, args = parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if k not in ("preset", "log_dir", "device") and v is not None}
+    for k in ("lr_knots", "lr_values", "widths"):
+        if k in overrides:
+            overrides[k] = tuple(overrides[k])
+    try:
+        summary = train(args.preset, data_path=overrides.pop("data", None), device=args.device,
+                        log_dir=args.log_dir or None, **overrides)
+    except (ValueError, tb.DataError) as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    except Diverged as e:
+        parser.exit(1, f"{parser.prog}: {e}\n")
+    print_summary(summary)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
