@@ -321,10 +321,11 @@ def preact_resnet18(duplicate_bn_relu=False, widths=(64, 128, 256, 512)):
     return nn.Sequential(*layers)
 
 
-def patch_whitening(train_x_nchw, patch=2, eps=5e-4, max_images=5000):
+def patch_whitening(images_nchw, patch=2, eps=5e-4):
     """Conv weights that whiten patch x patch image patches: eigenvectors of the patch covariance scaled by
-    1/sqrt(eigenvalue), with their negatives so a following GELU/ReLU loses nothing. Computed from data."""
-    x = train_x_nchw[:max_images].float()
+    1/sqrt(eigenvalue), with their negatives so a following GELU/ReLU loses nothing. Computed from data
+    (pass a random sample of training images: a slice of a class-sorted set would see one class only)."""
+    x = images_nchw.float()
     c = x.shape[1]
     patches = x.unfold(2, patch, 1).unfold(3, patch, 1).transpose(1, 3).reshape(-1, c * patch * patch).double()
     patches = patches - patches.mean(0)
@@ -356,9 +357,9 @@ class FastNet(nn.Module):
         self.head = nn.Linear(c_in, NUM_CLASSES, bias=False)
         self.head_scale = head_scale
 
-    def init_whitening(self, train_x_nchw):
+    def init_whitening(self, images_nchw):
         with torch.no_grad():
-            self.whiten.weight.copy_(patch_whitening(train_x_nchw, self.whiten.kernel_size[0])[:self.whiten.out_channels])
+            self.whiten.weight.copy_(patch_whitening(images_nchw, self.whiten.kernel_size[0])[:self.whiten.out_channels])
             self.whiten.bias.zero_()
 
     def forward(self, x):
@@ -371,15 +372,15 @@ class FastNet(nn.Module):
 # Evaluation and FLOPs
 
 def tta_views(x, level):
-    """Test-time views: 0 the image; 1 adds its mirror; 2 adds both shifted by one pixel (reflect-padded)."""
+    """(view, weight) pairs. 0: the image; 1: and its mirror; 2: the mirrored pair (weight 1/2 in all) and
+    the pairs shifted one pixel up-left and down-right (reflect-padded; 1/2 in all)."""
     if level == 0:
-        return [x]
-    views = [x, x.flip(3)]
-    if level >= 2:
-        p = F.pad(x, (1, 1, 1, 1), mode="reflect")
-        shifted = [p[:, :, :-2, :-2], p[:, :, 2:, 2:]]
-        views += shifted + [s.flip(3) for s in shifted]
-    return views
+        return [(x, 1.0)]
+    if level == 1:
+        return [(x, 0.5), (x.flip(3), 0.5)]
+    p = F.pad(x, (1, 1, 1, 1), mode="reflect")
+    shifted = [p[:, :, :-2, :-2], p[:, :, 2:, 2:]]
+    return [(x, 0.25), (x.flip(3), 0.25)] + [(v, 0.125) for s in shifted for v in (s, s.flip(3))]
 
 
 @torch.no_grad()
@@ -390,7 +391,7 @@ def predict(model, x, precision, device, batch_size=1000, tta=0):
     for i in range(0, len(x), batch_size):
         xb = x[i:i + batch_size]
         with autocast(precision, device):
-            outs.append(torch.stack([model(v).float() for v in tta_views(xb, tta)]).mean(0))
+            outs.append(sum(w * model(v).float() for v, w in tta_views(xb, tta)))
     model.train()
     return torch.cat(outs)
 

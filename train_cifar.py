@@ -108,7 +108,7 @@ class Diverged(RuntimeError):
     pass
 
 
-def build_model(cfg, device, train_x_nhwc=None):
+def build_model(cfg, device, train_x_nhwc=None, generator=None):
     w = tuple(cfg["widths"])
     if cfg["net"] == "resnet9":
         model = tb.resnet9(w or (64, 128, 256, 512))
@@ -118,7 +118,8 @@ def build_model(cfg, device, train_x_nhwc=None):
         model = tb.FastNet(w or (64, 256, 256))
         if train_x_nhwc is not None:
             p = cfg["pad"]
-            unpadded = train_x_nhwc[:, p:train_x_nhwc.shape[1] - p, p:train_x_nhwc.shape[2] - p]
+            sample = torch.randperm(len(train_x_nhwc), generator=generator, device=train_x_nhwc.device)[:5000]
+            unpadded = train_x_nhwc[sample, p:train_x_nhwc.shape[1] - p, p:train_x_nhwc.shape[2] - p]
             model.init_whitening(unpadded.permute(0, 3, 1, 2))
     return model.to(device).to(memory_format=torch.channels_last)
 
@@ -170,8 +171,11 @@ def train_flops(cfg, model, device, precision, batch_size):
     return flops
 
 
-def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=None):
-    """Trains one network from scratch and returns its result entry (the `runs` item of the summary)."""
+def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=None, checkpoint=None):
+    """Trains one network from scratch and returns its result entry (the `runs` item of the summary).
+
+    checkpoint: a path; the run's whole state is saved there after every epoch and, if the file exists, the
+    run continues from it (its timer too), so long CPU runs can span several sessions."""
     sync = tb.synchronizer(device)
     torch.manual_seed(seed)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -184,15 +188,33 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
                   total_time_s=None, train_flops=None, diverged=False, epochs=rows)
 
     timer = core.Timer(sync)
-    model = build_model(cfg, device, data["train_x"])  # the whitening is fitted to data: timed
+    model = build_model(cfg, device, data["train_x"], gen)  # the whitening is fitted to data: timed
     opt = make_optimizer(cfg, model)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     step_fn = model
     if cfg["compile"]:
         step_fn = torch.compile(model)
     base_flip = torch.randint(0, 2, (n_train,), generator=gen, device=device).bool()
-    step = 0
-    for epoch in range(1, math.ceil(total_steps / per_epoch) + 1):
+    step, start_epoch = 0, 1
+    if checkpoint and os.path.exists(checkpoint):
+        state = torch.load(checkpoint, map_location=device, weights_only=False)
+        if state["cfg"] != cfg or state["seed"] != seed:
+            raise ValueError(f"checkpoint {checkpoint} belongs to another configuration or seed; "
+                             "remove it or pass another --checkpoint")
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        scaler.load_state_dict(state["scaler"])
+        if state["lookahead"] is not None:
+            lookahead = Lookahead(model)
+            lookahead.avg = state["lookahead"]
+        gen.set_state(state["gen"])
+        base_flip, step, start_epoch = state["base_flip"], state["step"], state["epoch"] + 1
+        rows.extend(state["result"]["epochs"])
+        result.update({k: v for k, v in state["result"].items() if k != "epochs"})
+        timer(include_in_total=False)
+        timer.total = state["timer_total"]
+        log(f"resumed from {checkpoint} after epoch {state['epoch']} ({timer.total:.1f} s trained)")
+    for epoch in range(start_epoch, math.ceil(total_steps / per_epoch) + 1):
         if cfg["whiten_bias_epochs"] and hasattr(model, "whiten"):
             model.whiten.bias.requires_grad_(epoch <= cfg["whiten_bias_epochs"])
         perm = torch.randperm(n_train, generator=gen, device=device)
@@ -259,6 +281,14 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
             result.update(epoch_reached_target=epoch, time_to_target_s=timer.total)
         if last:
             result.update(accuracy=test_acc, total_time_s=timer.total)
+        if checkpoint:
+            tmp = checkpoint + ".tmp"
+            torch.save(dict(cfg=cfg, seed=seed, model=model.state_dict(), opt=opt.state_dict(),
+                            scaler=scaler.state_dict(), lookahead=lookahead.avg if lookahead else None,
+                            gen=gen.get_state(), base_flip=base_flip, step=step, epoch=epoch,
+                            timer_total=timer.total, result=result), tmp)
+            os.replace(tmp, checkpoint)
+            timer(include_in_total=False)
     return result
 
 
@@ -284,18 +314,22 @@ def summarise(cfg, results, hardware, precision, flops_per_step, steps, commit):
         time_to_target_mean_s=ttt_mean, time_to_target_std_s=ttt_std)
 
 
-def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=print, log_dir=None, **overrides):
+def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=print, log_dir=None, checkpoint=None,
+          **overrides):
     """Runs one configuration (cfg['runs'] seeds) and returns the summary that is also written as JSON.
 
     data: numpy arrays as returned by torch_backend.load_cifar10 (else loaded from data_path, default
     $CIFAR10_DATA or ./data).
-    log_dir: where the JSON summary and TSV table go (None: write nothing). Raises Diverged on NaN loss."""
+    log_dir: where the JSON summary and TSV table go (None: write nothing). Raises Diverged on NaN loss.
+    checkpoint: save/resume path for a single long run (see run_once)."""
     cfg = make_config(preset, **overrides)
     device = torch.device(device) if device is not None else tb.default_device()
     precision = tb.resolve_precision(cfg["precision"], device)
     if data is None:
         data = tb.load_cifar10(data_path or default_data_path())
     data = tb.validate(dict(data), "data")
+    if checkpoint and cfg["runs"] != 1:
+        raise ValueError("--checkpoint resumes a single run; use it with --runs 1")
     if cfg["batch_size"] > len(data["train_y"]):
         raise ValueError(f"batch size {cfg['batch_size']} exceeds the {len(data['train_y'])} training images")
     on_device = tb.to_device(data, device, tb.DTYPES[precision], pad=cfg["pad"])
@@ -327,7 +361,8 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
     try:
         for r in range(cfg["runs"]):
             try:
-                res = run_once(cfg, on_device, r, cfg["seed"] + r, device, precision, log=log, on_epoch=on_epoch)
+                res = run_once(cfg, on_device, r, cfg["seed"] + r, device, precision, log=log, on_epoch=on_epoch,
+                               checkpoint=checkpoint)
             except Diverged:
                 results.append(dict(seed=cfg["seed"] + r, accuracy=None, epoch_reached_target=None,
                                     time_to_target_s=None, total_time_s=None, train_flops=None, diverged=True))
@@ -373,13 +408,20 @@ def str2bool(s):
     raise argparse.ArgumentTypeError(f"expected true or false, got {s!r}")
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not the whole usage
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    p = Parser(description=__doc__.split("\n")[0],
                                 epilog="Presets: " + ", ".join(PRESETS), formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", default=DEFAULT_PRESET, choices=list(PRESETS))
     p.add_argument("--data", default=None, help="CIFAR-10 .npz, tarball or folder (default: $CIFAR10_DATA or ./data)")
     p.add_argument("--log-dir", default="logs", help="where the JSON summary and TSV table go ('' for none)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--checkpoint", default=None,
+                   help="save the run after every epoch and resume from this file if it exists (--runs 1)")
     keys = sorted(set(COMMON) | {k for cfg in PRESETS.values() for k in cfg})
     for k in keys:
         example = next(cfg[k] for cfg in [COMMON, *PRESETS.values()] if k in cfg)
@@ -399,13 +441,14 @@ def parse_args(argv):
 
 def main(argv=None):
     parser, args = parse_args(argv)
-    overrides = {k: v for k, v in vars(args).items() if k not in ("preset", "log_dir", "device") and v is not None}
+    overrides = {k: v for k, v in vars(args).items()
+                 if k not in ("preset", "log_dir", "device", "checkpoint") and v is not None}
     for k in ("lr_knots", "lr_values", "widths"):
         if k in overrides:
             overrides[k] = tuple(overrides[k])
     try:
         summary = train(args.preset, data_path=overrides.pop("data", None), device=args.device,
-                        log_dir=args.log_dir or None, **overrides)
+                        log_dir=args.log_dir or None, checkpoint=args.checkpoint, **overrides)
     except (ValueError, tb.DataError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     except Diverged as e:

@@ -1,0 +1,97 @@
+"""For each preset: training FLOPs per run, training images/s and achieved FLOP/s on this hardware.
+
+    python benchmarks/bench_presets.py [--presets fast94 resnet9] [--steps 5] [--repeats 3]
+
+Times full training steps (augmentation, forward, backward, update) on random data of CIFAR-10's shape after
+a warm-up, so it needs no data set; mean ± std over repeats. Writes logs/bench_presets-*.json."""
+import argparse
+import datetime
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import core  # noqa: E402
+import torch_backend as tb  # noqa: E402
+import train_cifar  # noqa: E402
+
+N_TRAIN = 50000
+
+
+def measure(preset, device, steps, repeats):
+    cfg = train_cifar.make_config(preset)
+    precision = tb.resolve_precision(cfg["precision"], device)
+    bs, pad = cfg["batch_size"], cfg["pad"]
+    gen = torch.Generator(device=device).manual_seed(0)
+    x_all = torch.randn(N_TRAIN, 32 + 2 * pad, 32 + 2 * pad, 3, generator=gen, device=device).to(tb.DTYPES[precision])
+    y_all = torch.randint(0, 10, (N_TRAIN,), generator=gen, device=device)
+    model = train_cifar.build_model(cfg, device)
+    opt = train_cifar.make_optimizer(cfg, model)
+    flops_step = train_cifar.train_flops(cfg, model, device, precision, bs)
+    run_steps = math.ceil(train_cifar.steps_per_epoch(cfg, N_TRAIN) * cfg["epochs"])
+    aug = tb.draw_augmentation(N_TRAIN, pad, cfg["cutout"], cfg["flip"] != "none", gen, device)
+    sync = tb.synchronizer(device)
+
+    def step(i):
+        sl = slice((i * bs) % (N_TRAIN - bs), (i * bs) % (N_TRAIN - bs) + bs)
+        idx = torch.arange(sl.start, sl.stop, device=device)
+        x = tb.augment(x_all, idx, {k: v[sl] for k, v in aug.items()}, cutout=cfg["cutout"])
+        with tb.autocast(precision, device):
+            out = model(x)
+        loss = F.cross_entropy(out.float(), y_all[idx], label_smoothing=cfg["label_smoothing"])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    for i in range(2):  # warm-up
+        step(i)
+    rates = []
+    for r in range(repeats):
+        sync()
+        t = time.perf_counter()
+        for i in range(steps):
+            step(i)
+        sync()
+        rates.append(steps * bs / (time.perf_counter() - t))
+    img_s = core.mean_std(rates)
+    return dict(preset=preset, precision=precision, batch_size=bs, flops_per_step=flops_step,
+                train_flops_per_run=flops_step * run_steps, img_per_s=img_s,
+                tflop_per_s=(img_s[0] * flops_step / bs / 1e12, img_s[1] * flops_step / bs / 1e12),
+                est_train_time_s=run_steps * bs / img_s[0])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--presets", nargs="+", default=list(train_cifar.PRESETS), choices=list(train_cifar.PRESETS))
+    p.add_argument("--steps", type=int, default=5, help="training steps per timed repeat")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default=None)
+    p.add_argument("--log-dir", default="logs")
+    a = p.parse_args()
+    device = torch.device(a.device) if a.device else tb.default_device()
+    info = dict(hardware=tb.device_name(device), torch=torch.__version__, commit=core.git_commit(),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                steps=a.steps, repeats=a.repeats)
+    print(f"{info['hardware']}, torch {torch.__version__}")
+    table = core.Table(["preset", "precision", "PF/run", "img/s", "±", "TFLOP/s", "est_time_s"], width=11)
+    results = []
+    for preset in a.presets:
+        r = measure(preset, device, a.steps, a.repeats)
+        results.append(r)
+        table.row({"preset": preset, "precision": r["precision"], "PF/run": r["train_flops_per_run"] / 1e15,
+                   "img/s": round(r["img_per_s"][0]), "±": round(r["img_per_s"][1]),
+                   "TFLOP/s": r["tflop_per_s"][0], "est_time_s": round(r["est_train_time_s"])})
+        if a.log_dir:  # rewritten after each preset so an interrupted benchmark keeps what it measured
+            os.makedirs(a.log_dir, exist_ok=True)
+            path = os.path.join(a.log_dir, f"bench_presets-{info['date'][:19].replace(':', '')}.json")
+            core.write_json_atomic(path, dict(info, results=results))
+    if a.log_dir:
+        print(f"log: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+import os
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def real_data_path():
+    return os.environ.get("CIFAR10_NPZ") or os.path.join(ROOT, "..", "shared", "data", "cifar10.npz")
+
+
+@pytest.fixture(scope="session")
+def cifar10():
+    """The real data set; skipped only where it truly is absent."""
+    path = real_data_path()
+    if not os.path.exists(path):
+        pytest.skip(f"real CIFAR-10 not found at {path} (set CIFAR10_NPZ)")
+    import torch_backend as tb
+    return tb.load_cifar10(path, download=False)
+
+
+def synthetic(n_train=200, n_test=50, seed=0):
+    """A tiny data set in the CIFAR-10 layout with every class present."""
+    rng = np.random.default_rng(seed)
+    return dict(train_x=rng.integers(0, 256, (n_train, 32, 32, 3), dtype=np.uint8),
+                train_y=np.arange(n_train) % 10, test_x=rng.integers(0, 256, (n_test, 32, 32, 3), dtype=np.uint8),
+                test_y=np.arange(n_test) % 10)
+
+
+@pytest.fixture
+def tiny():
+    return synthetic()

@@ -1,0 +1,45 @@
+import pytest
+import torch
+
+import torch_backend as tb
+
+
+@pytest.mark.parametrize("pad, cutout, flip", [(0, 0, False), (2, 0, True), (4, 8, True), (4, 12, False)])
+def test_batched_augmentation_equals_per_sample_loop(pad, cutout, flip):
+    gen = torch.Generator().manual_seed(pad * 100 + cutout)
+    data = torch.randn(64, 32 + 2 * pad, 32 + 2 * pad, 3, generator=gen)
+    index = torch.randperm(64, generator=gen)[:40]
+    aug = tb.draw_augmentation(40, pad, cutout, flip, gen, torch.device("cpu"))
+    batched = tb.augment(data, index, aug, cutout=cutout)
+    reference = tb.augment_reference(data, index, aug, cutout=cutout)
+    assert batched.shape == (40, 3, 32, 32)
+    assert batched.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(batched, reference, rtol=0, atol=0)
+
+
+def test_draws_cover_their_ranges():
+    gen = torch.Generator().manual_seed(0)
+    aug = tb.draw_augmentation(20000, 4, 8, True, gen, torch.device("cpu"))
+    assert set(aug["dy"].tolist()) == set(range(9)) and set(aug["dx"].tolist()) == set(range(9))
+    assert set(aug["cy"].tolist()) == set(range(25))  # the 8x8 square stays inside the 32x32 image
+    assert 0.48 < aug["flip"].float().mean() < 0.52
+    none = tb.draw_augmentation(100, 0, 0, False, gen, torch.device("cpu"))
+    assert not any(v.any() for v in none.values())
+
+
+def test_unaugmented_crop_is_the_centre_of_the_padded_image():
+    x = torch.randn(8, 32, 32, 3)
+    padded = torch.nn.functional.pad(x.permute(0, 3, 1, 2), (2,) * 4, mode="reflect").permute(0, 2, 3, 1)
+    aug = tb.draw_augmentation(8, 2, 0, False, torch.Generator().manual_seed(0), torch.device("cpu"))
+    aug["dy"][:] = 2
+    aug["dx"][:] = 2
+    torch.testing.assert_close(tb.augment(padded, torch.arange(8), aug), x.permute(0, 3, 1, 2))
+
+
+def test_to_device_normalises_and_pads(tiny):
+    d = tb.to_device(tiny, torch.device("cpu"), torch.float32, pad=4)
+    assert d["train_x"].shape == (200, 40, 40, 3) and d["test_x"].shape == (50, 3, 32, 32)
+    x0 = torch.from_numpy(tiny["train_x"][0]).float()
+    expected = (x0 / 255 - torch.tensor(tb.CIFAR_MEAN)) / torch.tensor(tb.CIFAR_STD)
+    torch.testing.assert_close(d["train_x"][0, 4:36, 4:36], expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(d["train_x"][0, 3, 4:36], expected[1])  # reflect padding mirrors row 1

@@ -1,0 +1,99 @@
+import os
+import pickle
+import tarfile
+
+import numpy as np
+import pytest
+
+import torch_backend as tb
+from conftest import synthetic
+
+NAMES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+
+
+def write_batches(folder, data):
+    """The official pickled layout: rows of 3072 bytes, channel-major (CHW)."""
+    os.makedirs(folder, exist_ok=True)
+    chunks = np.array_split(np.arange(len(data["train_y"])), 5)
+    parts = [(data["train_x"][c], data["train_y"][c]) for c in chunks] + [(data["test_x"], data["test_y"])]
+    for name, (x, y) in zip(NAMES, parts):
+        with open(os.path.join(folder, name), "wb") as f:
+            pickle.dump({b"data": x.transpose(0, 3, 1, 2).reshape(len(x), -1), b"labels": y.tolist()}, f)
+
+
+def assert_same(a, b):
+    for k in ("train_x", "train_y", "test_x", "test_y"):
+        np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_npz_batches_folder_and_tarball_load_the_same(tmp_path, tiny):
+    np.savez(tmp_path / "c.npz", **tiny)
+    write_batches(tmp_path / "root" / tb.BATCHES_DIR, tiny)
+    with tarfile.open(tmp_path / tb.TARBALL, "w:gz") as tar:
+        tar.add(tmp_path / "root" / tb.BATCHES_DIR, arcname=tb.BATCHES_DIR)
+    for path in (tmp_path / "c.npz", tmp_path / "root", tmp_path / "root" / tb.BATCHES_DIR, tmp_path / tb.TARBALL):
+        assert_same(tb.load_cifar10(str(path), download=False), tiny)
+
+
+def test_truncated_files_are_clear_errors(tmp_path, tiny):
+    np.savez_compressed(tmp_path / "c.npz", **tiny)
+    raw = (tmp_path / "c.npz").read_bytes()
+    (tmp_path / "cut.npz").write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(tb.DataError, match="cut.npz.*corrupt"):
+        tb.load_cifar10(str(tmp_path / "cut.npz"), download=False)
+    write_batches(tmp_path / "b", tiny)
+    with tarfile.open(tmp_path / "x.tar.gz", "w:gz") as tar:
+        tar.add(tmp_path / "b", arcname=tb.BATCHES_DIR)
+    raw = (tmp_path / "x.tar.gz").read_bytes()
+    (tmp_path / "cut.tar.gz").write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(tb.DataError, match="cut.tar.gz"):
+        tb.load_cifar10(str(tmp_path / "cut.tar.gz"), download=False)
+    (tmp_path / "b" / "data_batch_3").write_bytes(b"not a pickle")
+    with pytest.raises(tb.DataError, match="data_batch_3"):
+        tb.load_cifar10(str(tmp_path / "b"), download=False)
+    os.remove(tmp_path / "b" / "test_batch")
+    with pytest.raises(tb.DataError, match="missing test_batch"):
+        tb.load_cifar10(str(tmp_path / "b"), download=False)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d.update(train_x=d["train_x"][:, :16]), "shape"),
+    (lambda d: d.update(test_x=d["test_x"].astype(np.float32)), "dtype"),
+    (lambda d: d.update(train_y=d["train_y"][:-1]), "labels"),
+    (lambda d: d.update(test_y=d["test_y"] + 1), "labels 0..9"),
+    (lambda d: d.update(train_y=d["train_y"] * 0), "classes"),
+    (lambda d: d.update(train_y=d["train_y"].astype(np.float64)), "integer"),
+])
+def test_malformed_arrays_are_rejected(tmp_path, tiny, change, message):
+    change(tiny)
+    np.savez(tmp_path / "bad.npz", **tiny)
+    with pytest.raises(tb.DataError, match=message):
+        tb.load_cifar10(str(tmp_path / "bad.npz"), download=False)
+
+
+def test_missing_arrays_and_missing_path(tmp_path, tiny):
+    np.savez(tmp_path / "partial.npz", train_x=tiny["train_x"], train_y=tiny["train_y"])
+    with pytest.raises(tb.DataError, match="missing arrays test_x, test_y"):
+        tb.load_cifar10(str(tmp_path / "partial.npz"), download=False)
+    with pytest.raises(tb.DataError, match=str(tmp_path / "nowhere") + ".*--data"):
+        tb.load_cifar10(str(tmp_path / "nowhere"), download=False)
+
+
+def test_offline_download_failure_names_the_path(tmp_path, monkeypatch):
+    """With no data and no network, the download path must end in one DataError that says what to do."""
+    import sys
+    import types
+
+    def failing_cifar(**kwargs):
+        raise OSError("network unreachable")
+    fake = types.SimpleNamespace(datasets=types.SimpleNamespace(CIFAR10=failing_cifar))
+    monkeypatch.setitem(sys.modules, "torchvision", fake)
+    with pytest.raises(tb.DataError, match=r"downloading it failed.*network unreachable.*--data"):
+        tb.load_cifar10(str(tmp_path / "data"), download=True)
+
+
+def test_real_cifar10_matches_published_statistics(cifar10):
+    assert cifar10["train_x"].shape == (50000, 32, 32, 3) and cifar10["test_x"].shape == (10000, 32, 32, 3)
+    assert np.bincount(cifar10["train_y"]).tolist() == [5000] * 10
+    mean = cifar10["train_x"].reshape(-1, 3).mean(0) / 255
+    np.testing.assert_allclose(mean, [0.49139968, 0.48215841, 0.44653091], atol=1e-6)

@@ -1,0 +1,440 @@
+"""Tests of parallel.py. The multi-rank checks run on gloo over the CPU: one spawn of four ranks does all the
+distributed work and saves what each rank computed; the tests compare that with single-process references."""
+import copy
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.testing import assert_close
+
+import core
+import parallel
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORLD = 4
+PER_RANK = 2  # examples per rank; the global batch has WORLD * PER_RANK
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# LARS
+
+def lars_reference(initial, grads_per_step, settings):
+    """LARS in float64 numpy, written from the formula of You et al. rather than from parallel.py. A None
+    gradient leaves the parameter alone. Returns the parameters after every step."""
+    params = [p.copy() for p in initial]
+    velocity = [np.zeros_like(p) for p in initial]
+    trajectory = []
+    for grads in grads_per_step:
+        for i, (g, s) in enumerate(zip(grads, settings)):
+            if g is None:
+                continue
+            p = params[i]
+            wd = s["wd"] if s["adapt"] or not s["exclude_wd"] else 0.0
+            local_lr = 1.0
+            if s["adapt"] and np.linalg.norm(p) > 0 and np.linalg.norm(g) > 0:
+                local_lr = s["eta"] * np.linalg.norm(p) / (np.linalg.norm(g) + wd * np.linalg.norm(p) + s["eps"])
+            step = s["lr"] * local_lr * (g + wd * p)
+            velocity[i] = s["momentum"] * velocity[i] + step
+            params[i] = p - (s["momentum"] * velocity[i] + step if s["nesterov"] else velocity[i])
+        trajectory.append([p.copy() for p in params])
+    return trajectory
+
+
+def test_lars_matches_a_float64_reference_over_several_steps():
+    torch.manual_seed(0)
+    conv, bn, head = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Linear(64, 3)
+    model = nn.Sequential(conv, bn, nn.ReLU(), nn.Flatten(), head).double()
+    zero_grad_weight = nn.Parameter(torch.randn(2, 2, dtype=torch.float64))  # local_lr falls back to 1
+    no_grad_weight = nn.Parameter(torch.randn(3, dtype=torch.float64))  # must not move at all
+    common = dict(lr=0.1, momentum=0.9, wd=5e-4, eta=0.02, eps=1e-9, nesterov=False, exclude_wd=False)
+    groups = [  # (param group, per-parameter settings the reference uses)
+        (dict(params=[conv.weight, conv.bias, bn.weight, no_grad_weight], exclude_from_weight_decay=True),
+         [dict(common, adapt=True, exclude_wd=True)] + [dict(common, adapt=False, exclude_wd=True)] * 3),
+        (dict(params=[head.weight, head.bias, zero_grad_weight], lr=0.05, weight_decay=1e-3, trust_coefficient=0.05,
+              adapt=True, nesterov=True),
+         [dict(common, lr=0.05, wd=1e-3, eta=0.05, adapt=True, nesterov=True)] * 3),
+        (dict(params=[bn.bias]), [dict(common, adapt=False)]),  # default: not adapted, still decayed
+    ]
+    params = [p for g, _ in groups for p in g["params"]]
+    settings = [s for _, ss in groups for s in ss]
+    opt = parallel.LARS([g for g, _ in groups], lr=0.1, momentum=0.9, weight_decay=5e-4, trust_coefficient=0.02)
+    initial = [p.detach().numpy().copy() for p in params]
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(6, 3, 6, 6, generator=gen, dtype=torch.float64), torch.randint(0, 3, (6,), generator=gen)
+    grads_per_step, trajectory = [], []
+    for _ in range(5):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        zero_grad_weight.grad = torch.zeros_like(zero_grad_weight)
+        grads_per_step.append([None if p.grad is None else p.grad.numpy().copy() for p in params])
+        opt.step()
+        trajectory.append([p.detach().numpy().copy() for p in params])
+    for got, expected in zip(trajectory, lars_reference(initial, grads_per_step, settings)):
+        for g, e in zip(got, expected):
+            np.testing.assert_allclose(g, e, rtol=1e-12, atol=1e-15)
+    assert np.array_equal(trajectory[-1][3], initial[3])
+    assert not np.allclose(trajectory[-1][0], initial[0])
+
+
+def test_lars_rejects_bad_settings():
+    w = [nn.Parameter(torch.ones(2, 2))]
+    with pytest.raises(ValueError):
+        parallel.LARS(w, lr=-0.1)
+    with pytest.raises(ValueError):
+        parallel.LARS(w, lr=0.1, momentum=0, nesterov=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Learning-rate scaling and warm-up
+
+def test_scaled_lr_rules():
+    assert parallel.scaled_lr(0.1, 1024, 256, "linear") == pytest.approx(0.4)
+    assert parallel.scaled_lr(0.1, 1024, 256, "sqrt") == pytest.approx(0.2)
+    assert parallel.scaled_lr(0.1, 1024, 256, "none") == 0.1
+    assert parallel.scaled_lr(0.4, 128, 512) == pytest.approx(0.1)
+    for bad in [dict(rule="cubic"), dict(batch_size=0), dict(reference_batch_size=-512)]:
+        with pytest.raises(ValueError):
+            parallel.scaled_lr(**dict(dict(base_lr=0.1, batch_size=1024, reference_batch_size=256), **bad))
+
+
+def test_warmup_knots():
+    knots, values = parallel.warmup_knots([0, 10], [1.0, 0.0], 2)
+    assert knots == [0, 2, 10] and values == pytest.approx([0.0, 0.8, 0.0])
+    assert core.piecewise_linear(knots, values)(1) == pytest.approx(0.4)
+    # A schedule that already rises from 0 more slowly keeps its shape.
+    knots, values = parallel.warmup_knots([0, 5, 24], [0.0, 0.4, 0.0], 2)
+    assert knots == [0, 2, 5, 24] and values == pytest.approx([0.0, 0.16, 0.4, 0.0])
+    assert parallel.warmup_knots([0, 10], [1.0, 0.0], 12) == ([0, 12], [0.0, 0.0])
+    assert parallel.warmup_knots([0, 10], [1.0, 0.0], 0) == ([0, 10], [1.0, 0.0])
+    with pytest.raises(ValueError):
+        parallel.warmup_knots([0, 10], [1.0, 0.0], -1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Ghost batch norm
+
+def bn_problem(seed=1):
+    """A batch, the upstream gradient, and BN weight and bias, all fixed."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(WORLD * PER_RANK, 3, 4, 4, generator=gen) * 2 + 1
+    upstream = torch.randn(x.shape, generator=gen)
+    return x, upstream, 1 + 0.2 * torch.randn(3, generator=gen), 0.2 * torch.randn(3, generator=gen)
+
+
+def bn_layer(weight, bias, momentum=0.1):
+    bn = nn.BatchNorm2d(len(weight), momentum=momentum)
+    with torch.no_grad():
+        bn.weight.copy_(weight)
+        bn.bias.copy_(bias)
+    return bn
+
+
+def bn_step(bn, x, upstream):
+    """One training forward and backward of loss sum(bn(x) * upstream); what comes out and the gradients."""
+    x = x.clone().requires_grad_()
+    y = bn(x)
+    (y * upstream).sum().backward()
+    return dict(y=y.detach(), dx=x.grad, dw=bn.weight.grad, db=bn.bias.grad,
+                running_mean=bn.running_mean.clone(), running_var=bn.running_var.clone())
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_ghost_bn_with_one_group_is_batch_norm(momentum):
+    x, upstream, weight, bias = bn_problem()
+    plain = bn_layer(weight, bias, momentum)
+    ghost = parallel.convert_bn(copy.deepcopy(plain), group_size=len(x))
+    assert isinstance(ghost, parallel.GhostBatchNorm2d)
+    for step in range(2):
+        expected, got = bn_step(plain, x + step, upstream), bn_step(ghost, x + step, upstream)
+        for key in expected:
+            assert_close(got[key], expected[key])
+    assert ghost.num_batches_tracked.item() == plain.num_batches_tracked.item() == 2
+    plain.eval(), ghost.eval()
+    assert_close(ghost(x), plain(x))
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_ghost_bn_normalises_each_chunk_on_its_own(memory_format):
+    x, upstream, weight, bias = bn_problem()
+    ghost = parallel.GhostBatchNorm2d(3, group_size=2)
+    with torch.no_grad():
+        ghost.weight.copy_(weight)
+        ghost.bias.copy_(bias)
+    got = bn_step(ghost, x.contiguous(memory_format=memory_format), upstream)
+
+    x_ref = x.clone().requires_grad_()
+    w_ref, b_ref = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+    y_ref = torch.cat([F.batch_norm(chunk, None, None, w_ref, b_ref, training=True) for chunk in x_ref.split(2)])
+    (y_ref * upstream).sum().backward()
+    assert_close(got["y"], y_ref.detach())
+    assert_close(got["dx"], x_ref.grad)
+    assert_close(got["dw"], w_ref.grad)
+    assert_close(got["db"], b_ref.grad)
+    # Running statistics: the mean over chunks of each chunk's mean and unbiased variance, at momentum 0.1.
+    chunks = x.split(2)
+    assert_close(got["running_mean"], 0.1 * torch.stack([c.mean((0, 2, 3)) for c in chunks]).mean(0))
+    assert_close(got["running_var"], 0.9 + 0.1 * torch.stack([c.var((0, 2, 3)) for c in chunks]).mean(0))
+
+
+def test_ghost_bn_needs_whole_groups():
+    with pytest.raises(ValueError, match="divisible"):
+        parallel.GhostBatchNorm2d(3, group_size=3)(torch.randn(8, 3, 2, 2))
+
+
+def test_convert_bn_swaps_every_batch_norm_and_shares_its_state():
+    frozen = nn.BatchNorm2d(4, momentum=0.4, eps=1e-12)
+    frozen.weight.requires_grad_(False)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Sequential(nn.Conv2d(4, 4, 1), frozen))
+    model(torch.randn(4, 3, 6, 6))  # non-trivial running statistics
+    model.eval()
+    x = torch.randn(2, 3, 6, 6)
+    before = model(x)
+    old_bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    converted = parallel.convert_bn(model, group_size=2)
+    new_bns = [m for m in converted.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert converted is model and all(type(m) is parallel.GhostBatchNorm2d for m in new_bns)
+    for old, new in zip(old_bns, new_bns):
+        assert new.weight is old.weight and new.running_var is old.running_var
+        assert (new.momentum, new.eps, new.training) == (old.momentum, old.eps, old.training)
+    assert not new_bns[1].weight.requires_grad
+    assert_close(model(x), before)
+
+
+def test_sync_bn_without_a_process_group_is_batch_norm():
+    x, upstream, weight, bias = bn_problem()
+    plain = bn_layer(weight, bias)
+    synced = parallel.convert_sync_bn(copy.deepcopy(plain))
+    assert type(synced) is parallel.GroupSyncBatchNorm2d and not dist.is_initialized()
+    expected, got = bn_step(plain, x, upstream), bn_step(synced, x, upstream)
+    for key in expected:
+        assert_close(got[key], expected[key])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Distributed: BN over groups of ranks and the 2-D all-reduce hook, four gloo ranks
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+
+
+def regression_batch():
+    gen = torch.Generator().manual_seed(2)
+    return torch.randn(WORLD * PER_RANK, 5, generator=gen), torch.randn(WORLD * PER_RANK, 3, generator=gen)
+
+
+def bf16_gradients(rank):
+    return torch.randn(1001, generator=torch.Generator().manual_seed(10 + rank)).to(torch.bfloat16)
+
+
+class FakeBucket:
+    """The one method of DDP's GradBucket that the hook uses."""
+
+    def __init__(self, buffer):
+        self._buffer = buffer
+
+    def buffer(self):
+        return self._buffer
+
+
+def ddp_grads(rank, hook_state, bucket_sizes):
+    """Gradients of the mean squared error on this rank's shard after a DDP backward. DDP puts every gradient in
+    one bucket in the first iteration and regroups them by bucket_cap_mb from the second, so run two and keep
+    the second's, whose tiny buckets make the hook run several times on buffers of odd sizes."""
+    model = nn.parallel.DistributedDataParallel(mlp(), bucket_cap_mb=1e-4)
+    if hook_state is not None:
+        def recording_hook(state, bucket):
+            bucket_sizes.append(bucket.buffer().numel())
+            return parallel.hierarchical_allreduce_hook(state, bucket)
+        model.register_comm_hook(hook_state, recording_hook)
+    x, target = regression_batch()
+    shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    for _ in range(2):
+        model.zero_grad()
+        if bucket_sizes is not None:
+            bucket_sizes.clear()
+        F.mse_loss(model(x[shard]), target[shard]).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def rank_main(rank, directory):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{directory}/store", rank=rank, world_size=WORLD)
+    try:
+        x, upstream, weight, bias = bn_problem()
+        shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        results = {}
+        for name, group in [("bn_world", None), ("bn_pairs", parallel.bn_process_groups(WORLD, 2))]:
+            results[name] = bn_step(parallel.convert_sync_bn(bn_layer(weight, bias), group), x[shard], upstream[shard])
+        state = parallel.make_hierarchical_state(WORLD, 2)
+        results["bucket_sizes"] = []
+        results["ddp_flat"] = ddp_grads(rank, None, None)
+        results["ddp_2d"] = ddp_grads(rank, state, results["bucket_sizes"])
+        results["bf16_bucket"] = parallel.hierarchical_allreduce_hook(state, FakeBucket(bf16_gradients(rank))).wait()
+        torch.save(results, os.path.join(directory, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def rank_results(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("ranks")
+    mp.spawn(rank_main, args=(str(directory),), nprocs=WORLD, join=True)
+    return [torch.load(directory / f"rank{rank}.pt") for rank in range(WORLD)]
+
+
+@pytest.mark.parametrize("key, group_size", [("bn_world", WORLD), ("bn_pairs", 2)])
+def test_sync_bn_equals_bn_over_the_groups_batch(rank_results, key, group_size):
+    x, upstream, weight, bias = bn_problem()
+    for first in range(0, WORLD, group_size):
+        rows = slice(first * PER_RANK, (first + group_size) * PER_RANK)
+        expected = bn_step(bn_layer(weight, bias), x[rows], upstream[rows])
+        got = [rank_results[rank][key] for rank in range(first, first + group_size)]
+        assert_close(torch.cat([g["y"] for g in got]), expected["y"])
+        assert_close(torch.cat([g["dx"] for g in got]), expected["dx"])
+        assert_close(sum(g["dw"] for g in got), expected["dw"])  # each rank's share; DDP sums them
+        assert_close(sum(g["db"] for g in got), expected["db"])
+        for g in got:
+            assert_close(g["running_mean"], expected["running_mean"])
+            assert_close(g["running_var"], expected["running_var"])
+
+
+def test_hierarchical_hook_equals_flat_allreduce_and_the_global_batch(rank_results):
+    model = mlp()
+    x, target = regression_batch()
+    F.mse_loss(model(x), target).backward()
+    expected = [p.grad for p in model.parameters()]
+    for results in rank_results:
+        assert len(results["bucket_sizes"]) > 1 and any(n % 2 for n in results["bucket_sizes"]), results["bucket_sizes"]
+        for flat, two_d, e in zip(results["ddp_flat"], results["ddp_2d"], expected):
+            assert_close(two_d, flat)
+            assert_close(two_d, e)
+
+
+def test_hierarchical_hook_sums_low_precision_buckets_in_fp32(rank_results):
+    grads = [bf16_gradients(rank) for rank in range(WORLD)]
+    exact_mean = (torch.stack([g.double() for g in grads]).sum(0) / WORLD).to(torch.bfloat16)
+    for results in rank_results:
+        assert results["bf16_bucket"].dtype == torch.bfloat16
+        assert torch.equal(results["bf16_bucket"], exact_mean)
+    bf16_partial_sums = ((grads[0] + grads[1]) + (grads[2] + grads[3])) / WORLD
+    assert not torch.equal(bf16_partial_sums, exact_mean)  # so the check above tells fp32 sums from bf16 ones
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Process-group set-up
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+FAILING_RANK_SCRIPT = f"""
+import sys, time
+import torch
+import torch.distributed as dist
+sys.path.insert(0, {ROOT!r})
+import parallel
+rank, world_size, local_rank = parallel.init_distributed(timeout_s=5)
+print("joined", rank, world_size, local_rank, flush=True)
+if rank == 1:
+    if sys.argv[1] == "hang":
+        time.sleep(120)
+    raise SystemExit("rank 1 fails before the collective")
+dist.all_reduce(torch.ones(1))
+print("all-reduce returned", flush=True)
+"""
+
+
+@pytest.mark.parametrize("failure", ["exit", "hang"])
+def test_a_failing_rank_makes_the_others_exit_nonzero_in_bounded_time(failure):
+    """Rank 1 dies, or hangs, before a collective. Rank 0 must fail: on the closed connection, or on the
+    process-group timeout (5 s here) while rank 1 is still alive, whose launcher then stops it."""
+    port, start, procs = free_port(), time.monotonic(), []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-c", FAILING_RANK_SCRIPT, failure], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    try:
+        rank0_output = procs[0].communicate(timeout=60)[0]
+        elapsed = time.monotonic() - start
+        if failure == "hang":
+            assert procs[1].poll() is None  # rank 0 gave up on its own, not because rank 1 went away
+            procs[1].kill()
+        rank1_output = procs[1].communicate(timeout=60)[0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert procs[0].returncode != 0 and procs[1].returncode != 0, (rank0_output, rank1_output)
+    assert elapsed < 60
+    assert "joined 0 2 0" in rank0_output and "joined 1 2 1" in rank1_output, (rank0_output, rank1_output)
+    assert "all-reduce returned" not in rank0_output
+
+
+def test_init_distributed_without_torchrun_is_a_single_process(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert parallel.init_distributed() == (0, 1, 0)
+    assert not dist.is_initialized()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# All-reduce cost model
+
+def test_ring_allreduce_time():
+    # 2*3 latencies of 10 us + 2*3/4 of 1 MB at 1 GB/s
+    assert parallel.ring_allreduce_time(4, 1e6, 1e-5, 1e9) == pytest.approx(6e-5 + 1.5e-3)
+    assert parallel.ring_allreduce_time(1, 1e6, 1e-5, 1e9) == 0
+
+
+def test_hierarchical_and_flat_allreduce_times():
+    links = (1e-6, 1e11, 1e-5, 1e10)  # intra: 1 us, 100 GB/s; inter: 10 us, 10 GB/s
+    # reduce-scatter and all-gather in groups of 4: 2 * (3 us + 3/4 * 8 MB / 100 GB/s) = 126 us;
+    # ring over 2 groups of 2 MB: 2 * 10 us + 2 MB / 10 GB/s = 220 us
+    assert parallel.hierarchical_allreduce_time(2, 4, 8e6, *links) == pytest.approx(126e-6 + 220e-6)
+    # 8 ranks paced by the inter link: 14 * 10 us + 14/8 * 8 MB / 10 GB/s
+    assert parallel.flat_allreduce_time(2, 4, 8e6, *links) == pytest.approx(140e-6 + 1.4e-3)
+    # one group: a ring on the intra link, which the 2-D scheme equals
+    assert parallel.flat_allreduce_time(1, 4, 8e6, *links) == pytest.approx(6e-6 + 120e-6)
+    assert parallel.hierarchical_allreduce_time(1, 4, 8e6, *links) == pytest.approx(6e-6 + 120e-6)
+
+
+def test_allreduce_crossover():
+    assert parallel.allreduce_crossover(8e6, 4, 1e-5, 1e10, 1e-5, 1e10) == 8
+    assert parallel.allreduce_crossover(8e6, 1, 1e-5, 1e10, 1e-5, 1e10, max_ranks=64) is None  # same as the ring
+    # The model's claim: with two groups or more the 2-D scheme is never slower, whatever the links.
+    rng = random.Random(0)
+    for _ in range(300):
+        nbytes, group_size = 10 ** rng.uniform(3, 9), rng.randint(2, 16)
+        intra = (10 ** rng.uniform(-7, -4), 10 ** rng.uniform(8, 12))  # latency s, bandwidth B/s
+        inter = (10 ** rng.uniform(-7, -4), 10 ** rng.uniform(8, 12))
+        links = intra + inter
+        for n_groups in (2, 3, 8, 64):
+            flat = parallel.flat_allreduce_time(n_groups, group_size, nbytes, *links)
+            assert parallel.hierarchical_allreduce_time(n_groups, group_size, nbytes, *links) < flat
+        assert parallel.allreduce_crossover(nbytes, group_size, *links) == 2 * group_size
+
+
+def test_cost_model_command_prints_a_table():
+    lines = []
+    parallel.cost_model_table(25e6, 8, 5e-6, 300e9, 1e-5, 25e9, max_ranks=64, out=lines.append)
+    assert lines[0].split() == ["ranks", "groups", "ring_ms", "2d_ms", "speedup"]
+    assert [int(line.split()[0]) for line in lines[1:-1]] == [8, 16, 32, 64]
+    assert lines[-1] == "2-D wins from 16 ranks"
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "parallel.py"), "cost-model", "--max-ranks", "16"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "2-D wins from 16 ranks" in out.stdout, out.stderr

@@ -1,0 +1,145 @@
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import core
+import torch_backend as tb
+import train_cifar
+from conftest import ROOT, synthetic
+
+TINY = dict(widths=(8, 16, 16, 16), batch_size=50, epochs=2, precision="fp32", target=0.5)
+
+
+def cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "train_cifar.py"), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def tiny_npz(tmp_path, tiny):
+    path = tmp_path / "tiny.npz"
+    np.savez(path, **tiny)
+    return str(path)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--preset", "resnet1000"], "invalid choice"),
+    (["--epochs", "0"], "epochs must be positive"),
+    (["--batch-size", "-4"], "batch size must be a positive integer"),
+    (["--target", "1.5"], "target must be in (0, 1]"),
+    (["--lr-knots", "0", "5"], "same length"),
+    (["--precision", "fp16", "--device", "cpu"], "fp16 is for CUDA"),
+    (["--batch-size", "500"], "exceeds the 200 training images"),
+])
+def test_bad_options_exit_2_with_one_line(tiny_npz, args, message):
+    r = cli("--data", tiny_npz, "--log-dir", "", *args)
+    assert r.returncode == 2
+    assert message in r.stderr and r.stderr.strip().count("\n") <= 1  # argparse adds a usage line at most
+
+
+def test_missing_data_exits_2_and_names_the_path(tmp_path):
+    missing = str(tmp_path / "nope.npz")
+    r = cli("--data", missing, "--log-dir", "")
+    assert r.returncode == 2 and missing in r.stderr and "--data" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_diverged_run_exits_nonzero_and_keeps_its_logs(tiny_npz, tmp_path):
+    logs = tmp_path / "logs"
+    r = cli("--data", tiny_npz, "--log-dir", str(logs), "--preset", "resnet9", "--widths", "8", "8", "8", "8",
+            "--batch-size", "50", "--epochs", "3", "--precision", "fp32", "--lr-values", "1e30", "1e30", "1e30")
+    assert r.returncode == 1 and "diverged" in r.stderr, r.stderr
+    summary = json.loads(next(logs.glob("*.json")).read_text())
+    assert summary["runs"][0]["diverged"] is True and summary["runs"][0]["accuracy"] is None
+    rows = core.read_tsv(str(next(logs.glob("*.tsv"))))
+    assert rows and rows[-1]["train_loss"] in ("nan", "inf")
+
+
+def test_train_api_learns_and_logs_every_required_field(cifar10, tmp_path):
+    """A small net on a random 10k subset of real CIFAR-10 must learn far beyond chance in two epochs."""
+    rng = np.random.default_rng(0)
+    i, j = rng.permutation(50000)[:10000], rng.permutation(10000)[:2000]
+    data = dict(train_x=cifar10["train_x"][i], train_y=cifar10["train_y"][i],
+                test_x=cifar10["test_x"][j], test_y=cifar10["test_y"][j])
+    s = train_cifar.train("fast94", data=data, log_dir=str(tmp_path), widths=(32, 64, 64), epochs=2,
+                          lr_knots=(0, 0.5, 2), lr_values=(0.3, 1.5, 0.1), batch_size=500, runs=2, target=0.3,
+                          log=lambda *a: None)
+    assert s["accuracy_mean"] > 0.5, s["accuracy_mean"]  # chance is 0.1; this setting gave 0.59 when written
+    saved = json.loads(open(s["log_json"]).read())
+    for key in ("preset", "config", "hardware", "torch", "commit", "runs", "accuracy_mean", "accuracy_std"):
+        assert key in saved
+    assert saved["config"]["epochs"] == 2 and saved["config"]["batch_size"] == 500
+    assert [r["seed"] for r in saved["runs"]] == [0, 1]
+    for run in saved["runs"]:
+        for key in ("accuracy", "epoch_reached_target", "time_to_target_s", "total_time_s", "train_flops", "diverged"):
+            assert key in run
+        assert run["epoch_reached_target"] in (1, 2) and run["time_to_target_s"] <= run["total_time_s"]
+        assert run["train_flops"] == saved["train_flops_per_step"] * saved["train_steps"] > 0
+    assert saved["accuracy_mean"] == pytest.approx(np.mean([r["accuracy"] for r in saved["runs"]]))
+    rows = core.read_tsv(next(str(p) for p in tmp_path.glob("*.tsv")))
+    assert [(r["run"], r["epoch"]) for r in rows] == [("0", "1"), ("0", "2"), ("1", "1"), ("1", "2")]
+
+
+def test_resumed_run_equals_uninterrupted_run(tmp_path):
+    data = synthetic(400, 100)
+    cfg = train_cifar.make_config("resnet9", **TINY)
+    dev = torch.device("cpu")
+    on_device = tb.to_device(tb.validate(data, "tiny"), dev, torch.float32, pad=cfg["pad"])
+    full = train_cifar.run_once(cfg, on_device, 0, 7, dev, "fp32", log=lambda *a: None)
+
+    class Stop(Exception):
+        pass
+
+    def crash_in_epoch_2(row):  # after epoch 1's checkpoint, before epoch 2's
+        if row["epoch"] == 2:
+            raise Stop
+    ckpt = str(tmp_path / "run.pt")
+    with pytest.raises(Stop):
+        train_cifar.run_once(cfg, on_device, 0, 7, dev, "fp32", on_epoch=crash_in_epoch_2, checkpoint=ckpt)
+    said = []
+    resumed = train_cifar.run_once(cfg, on_device, 0, 7, dev, "fp32", log=said.append, checkpoint=ckpt)
+    assert said and said[0].startswith(f"resumed from {ckpt} after epoch 1")
+    assert [r["train_loss"] for r in resumed["epochs"]] == [r["train_loss"] for r in full["epochs"]]
+    assert resumed["accuracy"] == full["accuracy"]
+    other = train_cifar.make_config("resnet9", **dict(TINY, epochs=3))
+    with pytest.raises(ValueError, match="another configuration"):
+        train_cifar.run_once(other, on_device, 0, 7, dev, "fp32", checkpoint=ckpt)
+
+
+def test_flop_counter_matches_the_convolution_formula():
+    conv = torch.nn.Conv2d(3, 8, 3, padding=1, bias=False)
+    x = torch.randn(4, 3, 16, 16)
+    assert tb.count_flops(lambda: conv(x)) == 2 * 4 * 8 * 3 * 9 * 16 * 16
+
+
+def test_precision_resolution():
+    cpu = torch.device("cpu")
+    assert tb.resolve_precision("fp32", cpu) == "fp32"
+    assert tb.resolve_precision("auto", cpu) == ("bf16" if tb.cpu_has_bf16() else "fp32")
+    with pytest.raises(ValueError):
+        tb.resolve_precision("fp16", cpu)
+
+
+def test_lookahead_pulls_weights_towards_the_average():
+    net = torch.nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        net.weight.fill_(0.0)
+    la = train_cifar.Lookahead(net)
+    with torch.no_grad():
+        net.weight.fill_(1.0)
+    la.update(0.75)
+    torch.testing.assert_close(net.weight, torch.full((2, 2), 0.25))
+
+
+def test_optimizer_groups_keep_decay_per_step_equal():
+    cfg = train_cifar.make_config("fast94", widths=(8, 16, 16))
+    model = train_cifar.build_model(cfg, torch.device("cpu"))
+    opt = train_cifar.make_optimizer(cfg, model)
+    slow, fast = opt.param_groups
+    assert fast["lr_scale"] == 64 and fast["lr_scale"] * fast["weight_decay"] == pytest.approx(slow["weight_decay"])
+    assert all(p.ndim == 1 for p in fast["params"]) and all(p.ndim > 1 for p in slow["params"])
+    assert not any(p is model.whiten.weight for g in opt.param_groups for p in g["params"])  # frozen
