@@ -387,43 +387,60 @@ def ring_allreduce_time(n_ranks, nbytes, latency_s, bandwidth_Bps):
     return 2 * (n_ranks - 1) * latency_s + 2 * (n_ranks - 1) / n_ranks * nbytes / bandwidth_Bps
 
 
-def hierarchical_allreduce_time(n_groups, group_size, nbytes, intra_latency, intra_bw, inter_latency, inter_bw):
+def hierarchical_allreduce_time(n_groups, group_size, nbytes, intra_latency, intra_bw, inter_latency, inter_bw,
+                                nics_per_group=1):
     """Seconds for the 2-D all-reduce of hierarchical_allreduce_hook: reduce-scatter within each group, ring
     all-reduce of nbytes/group_size across the groups, all-gather within each group (each group phase is half a
-    ring all-reduce). Groups work concurrently, and so do the group_size cross-group rings."""
+    ring all-reduce). Groups work concurrently, and so do the group_size cross-group rings, which share their
+    node's nics_per_group network links: each ring gets min(nics_per_group, group_size) / group_size * inter_bw
+    (a ring cannot use more than one link per hop, so nics_per_group >= group_size gives each ring a link)."""
     within_group = ring_allreduce_time(group_size, nbytes, intra_latency, intra_bw)
-    across_groups = ring_allreduce_time(n_groups, nbytes / group_size, inter_latency, inter_bw)
+    ring_bw = inter_bw * min(nics_per_group, group_size) / group_size
+    across_groups = ring_allreduce_time(n_groups, nbytes / group_size, inter_latency, ring_bw)
     return within_group + across_groups
 
 
-def flat_allreduce_time(n_groups, group_size, nbytes, intra_latency, intra_bw, inter_latency, inter_bw):
-    """Seconds for one ring through all n_groups * group_size ranks. Every step waits for its slowest hop, so a
-    ring that leaves its group runs at the slower of the two links."""
+def flat_allreduce_time(n_groups, group_size, nbytes, intra_latency, intra_bw, inter_latency, inter_bw,
+                        nics_per_group=1):
+    """Seconds for one ring through all n_groups * group_size ranks, ordered group by group. Every step waits for
+    its slowest hop, so a ring that leaves its group runs at the slower of the two links.
+
+    Assumption: the ring crosses each group boundary once per direction, a single flow on one NIC, so that hop
+    gets inter_bw whatever nics_per_group is (accepted only to share the signature). A library that stripes the
+    flat ring over all of a node's NICs is modelled by nics_per_group=1 and inter_bw = the node's total."""
     n = n_groups * group_size
     intra = ring_allreduce_time(n, nbytes, intra_latency, intra_bw)
     return intra if n_groups == 1 else max(intra, ring_allreduce_time(n, nbytes, inter_latency, inter_bw))
 
 
-def allreduce_crossover(nbytes, group_size, intra_latency, intra_bw, inter_latency, inter_bw, max_ranks=1 << 16):
-    """The smallest number of ranks (a multiple of group_size) at which the 2-D all-reduce is faster than the
-    flat ring, or None up to max_ranks.
+def allreduce_crossover(nbytes, group_size, intra_latency, intra_bw, inter_latency, inter_bw, nics_per_group=1,
+                        max_ranks=1 << 16):
+    """The smallest number of ranks (a multiple of group_size) from which the 2-D all-reduce is faster than the
+    flat ring at every larger multiple up to max_ranks, or None if the flat ring is no slower at the last one.
 
-    In this model the answer is 2 * group_size whenever group_size >= 2 and intra_latency > 0: with n_groups >= 2
-    the 2-D time minus the ring's is 2(group_size - 1) times (intra_latency - n_groups * inter_latency
-    + nbytes / group_size * (1 / intra_bw - 1 / inter_bw)) when the inter link is the ring's slower hop, and at
-    most 2(n_groups - 1)(1 - group_size) * intra_latency when the intra link is; both are negative. The bandwidth
-    terms cancel when the links are equal, so the 2-D scheme wins on latency: 2(g-1) + 2(G-1) steps instead of
-    2(gG-1). The search is kept so that other link parameters or models can be checked the same way."""
-    args = (nbytes, intra_latency, intra_bw, inter_latency, inter_bw)
-    for n_groups in range(1, max_ranks // group_size + 1):
-        if hierarchical_allreduce_time(n_groups, group_size, *args) < flat_allreduce_time(n_groups, group_size, *args):
-            return n_groups * group_size
-    return None
+    With one NIC per group and the inter link as the ring's slower hop, the 2-D scheme is faster at n_groups >= 2
+    exactly when
+        n_groups * inter_latency + nbytes / (n_ranks * inter_bw)  >  intra_latency + nbytes / (group_size * intra_bw)
+    (both sides times 2(group_size - 1)). Right: the 2-D scheme's extra intra-group phases. Left: the flat ring's
+    extra inter-group latency steps, 2(n_ranks - 1) against 2(n_groups - 1), and its extra NIC traffic, a fraction
+    (n_ranks - 1)/n_ranks of 2 * nbytes against (n_groups - 1)/n_groups. The left side first falls with n_groups
+    and then grows, so the 2-D scheme can win at 2 groups, lose over a middle range and then win for good; this
+    returns where it wins for good. Smaller gradients and a larger inter latency move that point to fewer ranks.
+    With nics_per_group >= group_size (a link per cross-group ring) the 2-D scheme wins from 2 groups."""
+    args = (nbytes, intra_latency, intra_bw, inter_latency, inter_bw, nics_per_group)
+    crossover = None
+    for n_groups in range(max_ranks // group_size, 0, -1):
+        if hierarchical_allreduce_time(n_groups, group_size, *args) >= flat_allreduce_time(n_groups, group_size,
+                                                                                           *args):
+            break
+        crossover = n_groups * group_size
+    return crossover
 
 
-def cost_model_table(nbytes, group_size, intra_latency, intra_bw, inter_latency, inter_bw, max_ranks, out=print):
+def cost_model_table(nbytes, group_size, intra_latency, intra_bw, inter_latency, inter_bw, nics_per_group=1,
+                     max_ranks=1024, out=print):
     """Prints flat-ring and 2-D all-reduce times for 1, 2, 4, ... groups, then the crossover."""
-    links = (intra_latency, intra_bw, inter_latency, inter_bw)
+    links = (intra_latency, intra_bw, inter_latency, inter_bw, nics_per_group)
     table = core.Table(["ranks", "groups", "ring_ms", "2d_ms", "speedup"], out=out)
     n_groups = 1
     while n_groups * group_size <= max_ranks:
@@ -433,25 +450,61 @@ def cost_model_table(nbytes, group_size, intra_latency, intra_bw, inter_latency,
                    "speedup": ring / two_d})
         n_groups *= 2
     crossover = allreduce_crossover(nbytes, group_size, *links, max_ranks=max_ranks)
-    out(f"2-D wins from {crossover} ranks" if crossover else f"2-D never wins up to {max_ranks} ranks")
+    largest = max_ranks // group_size * group_size
+    out(f"2-D wins from {crossover} ranks" if crossover else f"2-D is not faster at {largest} ranks")
+
+
+def crossover_table(sizes_bytes, group_size, intra_latency, intra_bw, inter_latency, inter_bw, nics_per_group=1,
+                    max_ranks=1024, out=print):
+    """Prints, per gradient size, the crossover rank count and the speedup (ring / 2-D time) at 2 groups and at
+    the largest multiple of group_size up to max_ranks."""
+    links = (intra_latency, intra_bw, inter_latency, inter_bw, nics_per_group)
+    small, large = 2 * group_size, max_ranks // group_size * group_size
+    rank_counts = sorted({small, large})
+    table = core.Table(["grad_MB", "2d_from"] + [f"spd@{ranks}" for ranks in rank_counts], out=out)
+    for nbytes in sizes_bytes:
+        speedups = {}
+        for ranks in rank_counts:
+            ring = flat_allreduce_time(ranks // group_size, group_size, nbytes, *links)
+            speedups[f"spd@{ranks}"] = ring / hierarchical_allreduce_time(ranks // group_size, group_size, nbytes,
+                                                                           *links)
+        crossover = allreduce_crossover(nbytes, group_size, *links, max_ranks=max_ranks)
+        table.row({"grad_MB": f"{nbytes / 1e6:g}", "2d_from": crossover or "never", **speedups})
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    cost = commands.add_parser("cost-model", help="flat ring vs 2-D all-reduce time in the alpha-beta model")
+    cost = commands.add_parser(
+        "cost-model", help="flat ring vs 2-D all-reduce time in the alpha-beta model",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Flat ring vs 2-D all-reduce in an alpha-beta model: a table over rank counts for one gradient "
+                    "size, then the crossover rank count for several sizes. The defaults describe 8-GPU nodes with "
+                    "NVLink (2400 Gbit/s, 2 us) and one 200 Gbit/s NIC per node (10 us).")
     cost.add_argument("--grad-mb", type=float, default=25.0, help="gradient size, MB (1e6 bytes)")
+    cost.add_argument("--sweep-mb", type=float, nargs="+", default=[1.0, 10.0, 100.0, 1000.0],
+                      help="gradient sizes, MB, for the crossover table")
     cost.add_argument("--group-size", type=int, default=8, help="ranks per group (node)")
+    cost.add_argument("--nics-per-group", type=int, default=1,
+                      help="inter-group links per group; its cross-group rings share them")
     cost.add_argument("--intra-gbps", type=float, default=2400.0, help="link within a group, Gbit/s per direction")
-    cost.add_argument("--inter-gbps", type=float, default=200.0, help="link across groups, Gbit/s per direction")
-    cost.add_argument("--intra-latency-us", type=float, default=5.0)
-    cost.add_argument("--inter-latency-us", type=float, default=10.0)
-    cost.add_argument("--max-ranks", type=int, default=1024)
+    cost.add_argument("--inter-gbps", type=float, default=200.0, help="one inter-group link (NIC), Gbit/s per "
+                                                                      "direction")
+    cost.add_argument("--intra-latency-us", type=float, default=2.0, help="per message within a group, us")
+    cost.add_argument("--inter-latency-us", type=float, default=10.0, help="per message across groups, us")
+    cost.add_argument("--max-ranks", type=int, default=1024, help="largest rank count to model")
     args = parser.parse_args(argv)
-    if args.group_size < 1 or min(args.grad_mb, args.intra_gbps, args.inter_gbps) <= 0:
-        parser.error("group size, gradient size and bandwidths must be positive")
-    cost_model_table(args.grad_mb * 1e6, args.group_size, args.intra_latency_us * 1e-6, args.intra_gbps * 1e9 / 8,
-                     args.inter_latency_us * 1e-6, args.inter_gbps * 1e9 / 8, args.max_ranks)
+    if min(args.group_size, args.nics_per_group) < 1 or min([args.grad_mb, args.intra_gbps, args.inter_gbps]
+                                                            + args.sweep_mb) <= 0:
+        parser.error("group size, NICs per group, gradient sizes and bandwidths must be positive")
+    if min(args.intra_latency_us, args.inter_latency_us) < 0 or args.max_ranks < 2 * args.group_size:
+        parser.error("latencies must be >= 0 and --max-ranks at least two groups")
+    links = (args.group_size, args.intra_latency_us * 1e-6, args.intra_gbps * 1e9 / 8, args.inter_latency_us * 1e-6,
+             args.inter_gbps * 1e9 / 8, args.nics_per_group)
+    print(f"{args.grad_mb:g} MB gradient, {args.group_size} ranks and {args.nics_per_group} NIC(s) per group:")
+    cost_model_table(args.grad_mb * 1e6, *links, max_ranks=args.max_ranks)
+    print("\ncrossover by gradient size (2d_from: ranks from which 2-D is faster; spd@N: ring / 2-D time at N ranks):")
+    crossover_table([mb * 1e6 for mb in args.sweep_mb], *links, max_ranks=args.max_ranks)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 
 import core
+import parallel
+import pipeline
 import torch_backend as tb
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -29,6 +31,14 @@ COMMON = dict(
     label_smoothing=0.0, bias_lr_scale=1.0, flip="random", pad=4, cutout=0, tta=0,
     whiten_bias_epochs=0, lookahead_start_epoch=-1, lookahead_every=5, lookahead_decay=0.95, lookahead_pow=3.0,
     compile=False, widths=(),
+    # Large batches and many devices (parallel.py). reference_batch_size 0 means the preset's own batch size.
+    optimizer="sgd", trust_coefficient=0.001, lr_scaling="none", reference_batch_size=0, warmup_epochs=0.0,
+    bn_group_size=0, sync_bn_group_size=0, allreduce="flat", allreduce_group_size=0,
+    # Data echoing (pipeline.py): repeat upstream outputs echo_factor times on average.
+    echo="none", echo_factor=1.0, echo_shuffle_buffer=0,
+    # device: the on-device batched pipeline; loader: PNG-encoded images decoded per sample in DataLoader workers.
+    pipeline="device", loader_workers=1,
+    stop_at_target=False,  # end the run at the first evaluation that reaches the target (for studies)
 )
 
 PRESETS = {
@@ -73,6 +83,8 @@ def make_config(preset=DEFAULT_PRESET, **overrides):
     if unknown:
         raise ValueError(f"unknown option(s) {', '.join(sorted(unknown))}")
     cfg.update({k: v for k, v in overrides.items() if v is not None})
+    if not cfg["reference_batch_size"]:
+        cfg["reference_batch_size"] = PRESETS[preset]["batch_size"]
     check_config(cfg)
     return cfg
 
@@ -99,6 +111,30 @@ def check_config(cfg):
     need(cfg["tta"] in (0, 1, 2), "tta must be 0 (none), 1 (mirror) or 2 (mirror + translate)")
     need(cfg["precision"] in ("auto", "fp32", "bf16", "fp16"), "precision must be auto, fp32, bf16 or fp16")
     need(cfg["eval_every"] >= 0, "eval-every must be >= 0 (0: only at the end)")
+    need(cfg["optimizer"] in ("sgd", "lars"), "optimizer must be sgd or lars")
+    need(cfg["lr_scaling"] in parallel.SCALING_RULES, f"lr-scaling must be one of {', '.join(parallel.SCALING_RULES)}")
+    need(cfg["reference_batch_size"] > 0 and cfg["warmup_epochs"] >= 0, "need reference-batch-size > 0, warmup-epochs >= 0")
+    need(cfg["bn_group_size"] >= 0 and cfg["sync_bn_group_size"] >= 0 and cfg["allreduce_group_size"] >= 0,
+         "group sizes must be >= 0 (0: the default)")
+    need(cfg["allreduce"] in ("flat", "hierarchical"), "allreduce must be flat or hierarchical")
+    need(cfg["echo"] in pipeline.ECHO_MODES, f"echo must be one of {', '.join(pipeline.ECHO_MODES)}")
+    need(cfg["echo_factor"] >= 1 and cfg["echo_shuffle_buffer"] >= 0, "need echo-factor >= 1, echo-shuffle-buffer >= 0")
+    need(cfg["pipeline"] in ("device", "loader") and cfg["loader_workers"] >= 0,
+         "pipeline must be device or loader, loader-workers >= 0")
+
+
+def check_distributed(cfg, world):
+    """Checks that need the world size; raised on every rank, before any collective, so none hangs."""
+    bs = cfg["batch_size"]
+    if bs % world:
+        raise ValueError(f"global batch size {bs} is not divisible by the {world} processes")
+    local = bs // world
+    if cfg["bn_group_size"] and local % cfg["bn_group_size"]:
+        raise ValueError(f"per-process batch {local} is not divisible into BN groups of {cfg['bn_group_size']}")
+    for key in ("sync_bn_group_size", "allreduce_group_size"):
+        if cfg[key] and (world % cfg[key] or world == 1):
+            raise ValueError(f"{key.replace('_', '-')} {cfg[key]} needs several processes and must divide "
+                             f"their number ({world})")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -125,9 +161,9 @@ def build_model(cfg, device, train_x_nhwc=None, generator=None):
 
 
 def make_optimizer(cfg, model):
-    """Two groups: BN biases (and the whitening bias) take bias_lr_scale times the LR and 1/bias_lr_scale
-    times the weight decay, so their decay per step is the same as everything else's."""
-    fast = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim == 1 and "head" not in n]
+    """Two groups: BN biases take bias_lr_scale times the LR and 1/bias_lr_scale times the weight decay, so
+    their decay per step is the same as everything else's."""
+    fast = [m.bias for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d) and m.bias.requires_grad]
     fast_ids = {id(p) for p in fast}
     slow = [p for p in model.parameters() if p.requires_grad and id(p) not in fast_ids]
     s = cfg["bias_lr_scale"]
@@ -135,7 +171,20 @@ def make_optimizer(cfg, model):
               dict(params=fast, lr_scale=s, weight_decay=cfg["weight_decay"] / s)]
     if s == 1.0:
         groups = [dict(params=slow + fast, lr_scale=1.0, weight_decay=cfg["weight_decay"])]
-    return torch.optim.SGD(groups, lr=0.0, momentum=cfg["momentum"], nesterov=cfg["nesterov"] and cfg["momentum"] > 0)
+    nesterov = cfg["nesterov"] and cfg["momentum"] > 0
+    if cfg["optimizer"] == "lars":  # BN parameters and biases (ndim 1) keep the plain LR
+        return parallel.LARS(groups, lr=0.0, momentum=cfg["momentum"], nesterov=nesterov,
+                             trust_coefficient=cfg["trust_coefficient"])
+    return torch.optim.SGD(groups, lr=0.0, momentum=cfg["momentum"], nesterov=nesterov)
+
+
+def lr_schedule(cfg):
+    """The preset's piecewise-linear LR, scaled for the batch size by the chosen rule and warmed up."""
+    factor = parallel.scaled_lr(1.0, cfg["batch_size"], cfg["reference_batch_size"], cfg["lr_scaling"])
+    knots, values = list(cfg["lr_knots"]), [v * factor for v in cfg["lr_values"]]
+    if cfg["warmup_epochs"]:
+        knots, values = parallel.warmup_knots(knots, values, cfg["warmup_epochs"])
+    return core.piecewise_linear(knots, values)
 
 
 class Lookahead:
@@ -171,30 +220,44 @@ def train_flops(cfg, model, device, precision, batch_size):
     return flops
 
 
-def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=None, checkpoint=None):
+def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=None, checkpoint=None,
+             rank=0, world=1):
     """Trains one network from scratch and returns its result entry (the `runs` item of the summary).
 
     checkpoint: a path; the run's whole state is saved there after every epoch and, if the file exists, the
-    run continues from it (its timer too), so long CPU runs can span several sessions."""
+    run continues from it (its timer too), so long CPU runs can span several sessions.
+    rank, world: under torchrun every process draws the same shuffles and augmentations and trains on its
+    slice of each global batch; DDP averages the gradients, so the update is that of the global batch."""
     sync = tb.synchronizer(device)
     torch.manual_seed(seed)
     gen = torch.Generator(device=device).manual_seed(seed)
     n_train, bs = len(data["train_y"]), cfg["batch_size"]
     per_epoch = steps_per_epoch(cfg, n_train)
     total_steps = math.ceil(per_epoch * cfg["epochs"])
-    lr_at = core.piecewise_linear(list(cfg["lr_knots"]), list(cfg["lr_values"]))
+    lr_at = lr_schedule(cfg)
+    local_bs = bs // world
     lookahead, rows = None, []
     result = dict(seed=seed, accuracy=None, epoch_reached_target=None, time_to_target_s=None,
-                  total_time_s=None, train_flops=None, diverged=False, epochs=rows)
+                  fresh_to_target=None, total_time_s=None, train_flops=None, diverged=False, epochs=rows)
 
     timer = core.Timer(sync)
     model = build_model(cfg, device, data["train_x"], gen)  # the whitening is fitted to data: timed
     opt = make_optimizer(cfg, model)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    if cfg["bn_group_size"]:
+        parallel.convert_bn(model, cfg["bn_group_size"])
     step_fn = model
+    if world > 1:
+        if cfg["sync_bn_group_size"]:
+            parallel.convert_sync_bn(model, parallel.bn_process_groups(world, cfg["sync_bn_group_size"]))
+        step_fn = torch.nn.parallel.DistributedDataParallel(model)
+        if cfg["allreduce"] == "hierarchical":
+            group = cfg["allreduce_group_size"] or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            step_fn.register_comm_hook(parallel.make_hierarchical_state(world, group),
+                                       parallel.hierarchical_allreduce_hook)
     if cfg["compile"]:
-        step_fn = torch.compile(model)
-    base_flip = torch.randint(0, 2, (n_train,), generator=gen, device=device).bool()
+        step_fn = torch.compile(step_fn)
+    stream = (pipeline.LoaderStream if cfg["pipeline"] == "loader" else pipeline.BatchStream)(data, cfg, gen, device)
     step, start_epoch = 0, 1
     if checkpoint and os.path.exists(checkpoint):
         state = torch.load(checkpoint, map_location=device, weights_only=False)
@@ -208,19 +271,18 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
             lookahead = Lookahead(model)
             lookahead.avg = state["lookahead"]
         gen.set_state(state["gen"])
-        base_flip, step, start_epoch = state["base_flip"], state["step"], state["epoch"] + 1
+        stream.load_state_dict(state["stream"])
+        step, start_epoch = state["step"], state["epoch"] + 1
         rows.extend(state["result"]["epochs"])
         result.update({k: v for k, v in state["result"].items() if k != "epochs"})
         timer(include_in_total=False)
         timer.total = state["timer_total"]
         log(f"resumed from {checkpoint} after epoch {state['epoch']} ({timer.total:.1f} s trained)")
+        if result["accuracy"] is not None:  # that run had finished
+            return result
     for epoch in range(start_epoch, math.ceil(total_steps / per_epoch) + 1):
         if cfg["whiten_bias_epochs"] and hasattr(model, "whiten"):
             model.whiten.bias.requires_grad_(epoch <= cfg["whiten_bias_epochs"])
-        perm = torch.randperm(n_train, generator=gen, device=device)
-        aug = tb.draw_augmentation(n_train, cfg["pad"], cfg["cutout"], cfg["flip"] == "random", gen, device)
-        if cfg["flip"] == "alternate":  # each image's flip is random once, then alternates every epoch
-            aug["flip"] = base_flip[perm] ^ bool((epoch - 1) % 2)
         loss_sum = torch.zeros((), device=device)
         correct = torch.zeros((), device=device, dtype=torch.long)
         seen = 0
@@ -231,10 +293,7 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
             lr = lr_at(step / per_epoch)
             for g in opt.param_groups:
                 g["lr"] = lr * g["lr_scale"]
-            sl = slice(i * bs, (i + 1) * bs)
-            idx = perm[sl]
-            x = tb.augment(data["train_x"], idx, {k: v[sl] for k, v in aug.items()}, cutout=cfg["cutout"])
-            y = data["train_y"][idx]
+            x, y = stream.next_batch(rank * local_bs, (rank + 1) * local_bs)  # this process's slice
             with tb.autocast(precision, device):
                 out = step_fn(x)
             loss = F.cross_entropy(out.float(), y, label_smoothing=cfg["label_smoothing"])
@@ -254,13 +313,17 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
                     lookahead.update(decay)
         if lookahead is not None:
             lookahead.update(1.0)
-        train_loss = (loss_sum / seen).item()  # one host sync per epoch
+        totals = torch.stack([loss_sum, correct.float(), torch.tensor(float(seen), device=device)])
+        if world > 1:
+            torch.distributed.all_reduce(totals)
+        train_loss, train_acc = (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()  # one sync per epoch
         epoch_time = timer()
         last = step >= total_steps
         if not math.isfinite(train_loss):
             result.update(diverged=True, total_time_s=timer.total)
-            rows.append(dict(run=run_index, epoch=epoch, lr=lr, train_loss=train_loss, train_acc=correct.item() / seen,
-                             test_acc=float("nan"), epoch_time=epoch_time, total_time=timer.total))
+            rows.append(dict(run=run_index, epoch=epoch, lr=lr, train_loss=train_loss, train_acc=train_acc,
+                             test_acc=float("nan"), epoch_time=epoch_time, total_time=timer.total,
+                             fresh=stream.fresh_read))
             if on_epoch:
                 on_epoch(rows[-1])
             raise Diverged(f"run {run_index} (seed {seed}) diverged: training loss is {train_loss} at epoch {epoch}; "
@@ -268,34 +331,46 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
         test_acc = None
         if last or (cfg["eval_every"] and epoch % cfg["eval_every"] == 0):
             tta = cfg["tta"] if last else 0
-            logits = tb.predict(model, data["test_x"], precision, device, tta=tta)
-            test_acc = (logits.argmax(1) == data["test_y"]).float().mean().item()
+            test_acc = evaluate(model, data, precision, device, tta, rank, world)
             timer(include_in_total=last)  # only the final evaluation counts towards the time
-        row = dict(run=run_index, epoch=epoch, lr=lr, train_loss=train_loss, train_acc=correct.item() / seen,
+        row = dict(run=run_index, epoch=epoch, lr=lr, train_loss=train_loss, train_acc=train_acc,
                    test_acc=test_acc if test_acc is not None else float("nan"), epoch_time=epoch_time,
-                   total_time=timer.total)
+                   total_time=timer.total, fresh=stream.fresh_read)
         rows.append(row)
         if on_epoch:
             on_epoch(row)
         if test_acc is not None and test_acc >= cfg["target"] and result["epoch_reached_target"] is None:
-            result.update(epoch_reached_target=epoch, time_to_target_s=timer.total)
+            result.update(epoch_reached_target=epoch, time_to_target_s=timer.total, fresh_to_target=row["fresh"])
+            if cfg["stop_at_target"]:
+                last = True
         if last:
             result.update(accuracy=test_acc, total_time_s=timer.total)
         if checkpoint:
             tmp = checkpoint + ".tmp"
             torch.save(dict(cfg=cfg, seed=seed, model=model.state_dict(), opt=opt.state_dict(),
                             scaler=scaler.state_dict(), lookahead=lookahead.avg if lookahead else None,
-                            gen=gen.get_state(), base_flip=base_flip, step=step, epoch=epoch,
+                            gen=gen.get_state(), stream=stream.state_dict(), step=step, epoch=epoch,
                             timer_total=timer.total, result=result), tmp)
             os.replace(tmp, checkpoint)
             timer(include_in_total=False)
+        if last:
+            break
     return result
+
+
+def evaluate(model, data, precision, device, tta, rank=0, world=1):
+    """Test accuracy; with several processes each scores every world-th image and the counts are summed."""
+    x, y = data["test_x"][rank::world], data["test_y"][rank::world]
+    correct = (tb.predict(model, x, precision, device, tta=tta).argmax(1) == y).sum().float()
+    if world > 1:
+        torch.distributed.all_reduce(correct)
+    return correct.item() / len(data["test_y"])
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Many runs, logs, summary
 
-TABLE_COLUMNS = ["run", "epoch", "lr", "train_loss", "train_acc", "test_acc", "epoch_time", "total_time"]
+TABLE_COLUMNS = ["run", "epoch", "lr", "train_loss", "train_acc", "test_acc", "epoch_time", "total_time", "fresh"]
 
 
 def summarise(cfg, results, hardware, precision, flops_per_step, steps, commit):
@@ -306,6 +381,7 @@ def summarise(cfg, results, hardware, precision, flops_per_step, steps, commit):
     ttt_mean, ttt_std = core.mean_std([r["time_to_target_s"] for r in reached])
     return dict(
         preset=cfg["preset"], config={k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()},
+        world_size=torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
         precision=precision, hardware=hardware, torch=torch.__version__, commit=commit,
         started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         train_flops_per_step=flops_per_step, train_steps=steps, runs=results,
@@ -321,8 +397,17 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
     data: numpy arrays as returned by torch_backend.load_cifar10 (else loaded from data_path, default
     $CIFAR10_DATA or ./data).
     log_dir: where the JSON summary and TSV table go (None: write nothing). Raises Diverged on NaN loss.
-    checkpoint: save/resume path for a single long run (see run_once)."""
+    checkpoint: save/resume path for a single long run (see run_once).
+    Under torchrun every process calls this; only rank 0 prints and writes logs."""
     cfg = make_config(preset, **overrides)
+    rank, world, local_rank = parallel.init_distributed()
+    check_distributed(cfg, world)
+    if checkpoint and world > 1:
+        raise ValueError("--checkpoint is for single-process runs")
+    if rank != 0:
+        log, log_dir = (lambda *a: None), None
+    if device is None and world > 1 and torch.cuda.is_available():
+        device = f"cuda:{local_rank}"
     device = torch.device(device) if device is not None else tb.default_device()
     precision = tb.resolve_precision(cfg["precision"], device)
     if data is None:
@@ -333,7 +418,11 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
     if cfg["batch_size"] > len(data["train_y"]):
         raise ValueError(f"batch size {cfg['batch_size']} exceeds the {len(data['train_y'])} training images")
     on_device = tb.to_device(data, device, tb.DTYPES[precision], pad=cfg["pad"])
+    if cfg["pipeline"] == "loader":  # the loader pipeline starts from the encoded images, not the tensors
+        on_device.update(raw_train_x=data["train_x"], raw_train_y=data["train_y"])
     hardware, commit = tb.device_name(device), core.git_commit()  # the code as it was when the run started
+    if world > 1:
+        hardware = f"{world} processes x {hardware}"
 
     # Warm-up outside the timer: one counted step (FLOPs) and one plain step on a throwaway net.
     warm = build_model(cfg, device, on_device["train_x"])
@@ -362,7 +451,7 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
         for r in range(cfg["runs"]):
             try:
                 res = run_once(cfg, on_device, r, cfg["seed"] + r, device, precision, log=log, on_epoch=on_epoch,
-                               checkpoint=checkpoint)
+                               checkpoint=checkpoint, rank=rank, world=world)
             except Diverged:
                 results.append(dict(seed=cfg["seed"] + r, accuracy=None, epoch_reached_target=None,
                                     time_to_target_s=None, total_time_s=None, train_flops=None, diverged=True))
@@ -453,7 +542,11 @@ def main(argv=None):
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     except Diverged as e:
         parser.exit(1, f"{parser.prog}: {e}\n")
-    print_summary(summary)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    if int(os.environ.get("RANK", 0)) == 0:  # torchrun sets RANK; only rank 0 reports
+        print_summary(summary)
     return summary
 
 

@@ -402,39 +402,101 @@ def test_ring_allreduce_time():
 
 
 def test_hierarchical_and_flat_allreduce_times():
-    links = (1e-6, 1e11, 1e-5, 1e10)  # intra: 1 us, 100 GB/s; inter: 10 us, 10 GB/s
-    # reduce-scatter and all-gather in groups of 4: 2 * (3 us + 3/4 * 8 MB / 100 GB/s) = 126 us;
-    # ring over 2 groups of 2 MB: 2 * 10 us + 2 MB / 10 GB/s = 220 us
-    assert parallel.hierarchical_allreduce_time(2, 4, 8e6, *links) == pytest.approx(126e-6 + 220e-6)
-    # 8 ranks paced by the inter link: 14 * 10 us + 14/8 * 8 MB / 10 GB/s
-    assert parallel.flat_allreduce_time(2, 4, 8e6, *links) == pytest.approx(140e-6 + 1.4e-3)
+    links = (1e-6, 1e11, 1e-5, 1e10)  # intra: 1 us, 100 GB/s; inter: 10 us, 10 GB/s per NIC
+    # reduce-scatter and all-gather in groups of 4: 2 * (3 us + 3/4 * 8 MB / 100 GB/s) = 126 us.
+    # A NIC per rank: 4 rings over 2 groups of 2 MB, each on its own link: 2 * 10 us + 2 MB / 10 GB/s = 220 us
+    assert parallel.hierarchical_allreduce_time(2, 4, 8e6, *links, nics_per_group=4) == pytest.approx(126e-6 + 220e-6)
+    assert parallel.hierarchical_allreduce_time(2, 4, 8e6, *links, nics_per_group=8) == pytest.approx(126e-6 + 220e-6)
+    # One NIC per group (the default): the 4 rings get 2.5 GB/s each, 2 * 10 us + 2 MB / 2.5 GB/s = 820 us
+    assert parallel.hierarchical_allreduce_time(2, 4, 8e6, *links) == pytest.approx(126e-6 + 820e-6)
+    # Two NICs: 5 GB/s each, 2 * 10 us + 2 MB / 5 GB/s = 420 us
+    assert parallel.hierarchical_allreduce_time(2, 4, 8e6, *links, nics_per_group=2) == pytest.approx(126e-6 + 420e-6)
+    # 8 ranks paced by the inter link: 14 * 10 us + 14/8 * 8 MB / 10 GB/s, one flow per NIC whatever the NIC count
+    for nics in (1, 2, 4):
+        assert parallel.flat_allreduce_time(2, 4, 8e6, *links, nics) == pytest.approx(140e-6 + 1.4e-3)
     # one group: a ring on the intra link, which the 2-D scheme equals
     assert parallel.flat_allreduce_time(1, 4, 8e6, *links) == pytest.approx(6e-6 + 120e-6)
     assert parallel.hierarchical_allreduce_time(1, 4, 8e6, *links) == pytest.approx(6e-6 + 120e-6)
 
 
-def test_allreduce_crossover():
-    assert parallel.allreduce_crossover(8e6, 4, 1e-5, 1e10, 1e-5, 1e10) == 8
+# intra: 1 us, 10 GB/s; inter: 10 us, 10 GB/s, one NIC per group of 4. By allreduce_crossover's docstring the
+# 2-D scheme wins at G groups when 10 G + 200 / G > 201 (us, for 8 MB): from G = 20, 80 ranks.
+SHARED_NIC = (1e-6, 1e10, 1e-5, 1e10)
+
+
+def test_shared_nic_crossover_by_hand():
+    # 19 groups: flat 2*75 * 10 us + 2*75/76 * 8 MB / 10 GB/s = 3078.9 us;
+    #            2-D 2*3 * 1 us + 2*3/4 * 8 MB / 10 GB/s + 2*18 * 10 us + 2*18/19 * 2 MB / 2.5 GB/s = 3081.8 us
+    assert parallel.flat_allreduce_time(19, 4, 8e6, *SHARED_NIC) == pytest.approx(1500e-6 + 150 / 76 * 800e-6)
+    assert parallel.hierarchical_allreduce_time(19, 4, 8e6, *SHARED_NIC) == pytest.approx(
+        1206e-6 + 360e-6 + 36 / 19 * 800e-6)
+    # 20 groups: flat 1580 + 1580 = 3160 us; 2-D 1206 + 380 + 1520 = 3106 us
+    assert parallel.flat_allreduce_time(20, 4, 8e6, *SHARED_NIC) == pytest.approx(3160e-6)
+    assert parallel.hierarchical_allreduce_time(20, 4, 8e6, *SHARED_NIC) == pytest.approx(3106e-6)
+    assert parallel.allreduce_crossover(8e6, 4, *SHARED_NIC) == 80
+    assert parallel.allreduce_crossover(8e6, 4, *SHARED_NIC, max_ranks=76) is None
+    # 8e7 bytes on a 40 GB/s intra link: 10 G + 2000 / G > 501 holds for G <= 4 and from G = 46 on, so the 2-D
+    # scheme wins at 2 groups, loses in between, and wins for good from 184 ranks.
+    links = (1e-6, 4e10, 1e-5, 1e10)
+    assert parallel.hierarchical_allreduce_time(2, 4, 8e7, *links) < parallel.flat_allreduce_time(2, 4, 8e7, *links)
+    assert parallel.hierarchical_allreduce_time(45, 4, 8e7, *links) > parallel.flat_allreduce_time(45, 4, 8e7, *links)
+    assert parallel.allreduce_crossover(8e7, 4, *links) == 184
+
+
+def test_crossover_moves_to_fewer_ranks_for_smaller_gradients_and_slower_latency():
+    by_size = [parallel.allreduce_crossover(nbytes, 4, *SHARED_NIC, max_ranks=1 << 14)
+               for nbytes in (8e8, 8e7, 8e6, 8e5)]
+    assert all(a > b for a, b in zip(by_size, by_size[1:])) and by_size[-1] == 8, by_size
+    intra_latency, intra_bw, _, inter_bw = SHARED_NIC
+    by_latency = [parallel.allreduce_crossover(8e6, 4, intra_latency, intra_bw, inter_latency, inter_bw)
+                  for inter_latency in (2e-6, 1e-5, 5e-5, 1e-4)]
+    assert all(a > b for a, b in zip(by_latency, by_latency[1:])) and by_latency[-1] == 8, by_latency
+
+
+def test_crossover_condition_matches_the_times_with_one_nic():
+    rng = random.Random(1)
+    for _ in range(300):
+        nbytes, group_size, n_groups = 10 ** rng.uniform(3, 9), rng.randint(2, 16), rng.randint(2, 256)
+        intra_latency, inter_latency = sorted(10 ** rng.uniform(-7, -4) for _ in range(2))
+        inter_bw, intra_bw = sorted(10 ** rng.uniform(8, 12) for _ in range(2))  # inter is the ring's slower hop
+        links = (intra_latency, intra_bw, inter_latency, inter_bw)
+        flat = parallel.flat_allreduce_time(n_groups, group_size, nbytes, *links)
+        two_d = parallel.hierarchical_allreduce_time(n_groups, group_size, nbytes, *links)
+        left = n_groups * inter_latency + nbytes / (n_groups * group_size * inter_bw)
+        right = intra_latency + nbytes / (group_size * intra_bw)
+        assert flat - two_d == pytest.approx(2 * (group_size - 1) * (left - right), rel=1e-6, abs=1e-15)
+
+
+def test_allreduce_crossover_with_a_nic_per_rank_is_two_groups():
+    assert parallel.allreduce_crossover(8e6, 4, 1e-5, 1e10, 1e-5, 1e10, nics_per_group=4) == 8
     assert parallel.allreduce_crossover(8e6, 1, 1e-5, 1e10, 1e-5, 1e10, max_ranks=64) is None  # same as the ring
-    # The model's claim: with two groups or more the 2-D scheme is never slower, whatever the links.
+    # The old model's claim: with a link per cross-group ring and two groups or more the 2-D scheme is never
+    # slower, whatever the links.
     rng = random.Random(0)
     for _ in range(300):
         nbytes, group_size = 10 ** rng.uniform(3, 9), rng.randint(2, 16)
         intra = (10 ** rng.uniform(-7, -4), 10 ** rng.uniform(8, 12))  # latency s, bandwidth B/s
         inter = (10 ** rng.uniform(-7, -4), 10 ** rng.uniform(8, 12))
         links = intra + inter
-        for n_groups in (2, 3, 8, 64):
-            flat = parallel.flat_allreduce_time(n_groups, group_size, nbytes, *links)
-            assert parallel.hierarchical_allreduce_time(n_groups, group_size, nbytes, *links) < flat
-        assert parallel.allreduce_crossover(nbytes, group_size, *links) == 2 * group_size
+        for nics in (group_size, 2 * group_size):
+            for n_groups in (2, 3, 8, 64):
+                flat = parallel.flat_allreduce_time(n_groups, group_size, nbytes, *links, nics)
+                assert parallel.hierarchical_allreduce_time(n_groups, group_size, nbytes, *links, nics) < flat
+            assert parallel.allreduce_crossover(nbytes, group_size, *links, nics, max_ranks=1024) == 2 * group_size
 
 
-def test_cost_model_command_prints_a_table():
+def test_cost_model_command_prints_two_tables():
     lines = []
     parallel.cost_model_table(25e6, 8, 5e-6, 300e9, 1e-5, 25e9, max_ranks=64, out=lines.append)
     assert lines[0].split() == ["ranks", "groups", "ring_ms", "2d_ms", "speedup"]
     assert [int(line.split()[0]) for line in lines[1:-1]] == [8, 16, 32, 64]
     assert lines[-1] == "2-D wins from 16 ranks"
+    lines = []
+    parallel.crossover_table([8e5, 8e6, 8e7], 4, *SHARED_NIC, max_ranks=512, out=lines.append)  # 8e7: 800
+    assert lines[0].split() == ["grad_MB", "2d_from", "spd@8", "spd@512"]
+    assert [line.split()[:2] for line in lines[1:]] == [["0.8", "8"], ["8", "80"], ["80", "never"]]
     out = subprocess.run([sys.executable, os.path.join(ROOT, "parallel.py"), "cost-model", "--max-ranks", "16"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "2-D wins from 16 ranks" in out.stdout, out.stderr
+    assert out.stdout.splitlines()[7].split() == ["grad_MB", "2d_from", "spd@16"], out.stdout
+    assert "crossover by gradient size" in out.stdout and len(out.stdout.splitlines()) == 12, out.stdout

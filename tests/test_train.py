@@ -141,5 +141,7 @@ def test_optimizer_groups_keep_decay_per_step_equal():
     opt = train_cifar.make_optimizer(cfg, model)
     slow, fast = opt.param_groups
     assert fast["lr_scale"] == 64 and fast["lr_scale"] * fast["weight_decay"] == pytest.approx(slow["weight_decay"])
-    assert all(p.ndim == 1 for p in fast["params"]) and all(p.ndim > 1 for p in slow["params"])
+    bn_biases = [m.bias for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert len(fast["params"]) == len(bn_biases) == 6 and all(any(p is b for b in bn_biases) for p in fast["params"])
+    assert any(p is model.whiten.bias for p in slow["params"])  # trained for a few epochs at the plain LR
     assert not any(p is model.whiten.weight for g in opt.param_groups for p in g["params"])  # frozen

@@ -1,0 +1,429 @@
+"""Data-echoing study (Choi et al. 2019): fresh examples and wall-clock time to a target accuracy, per echo mode
+and echo factor, over several seeds.
+
+    python study_data_echo.py --workload cpu --data cifar10.npz                # small net, ~1-2 min a run on a CPU
+    python study_data_echo.py --workload gpu94 --pipeline loader --seeds 5      # fast94 to 94%: the GPU study
+    python study_data_echo.py --workload cpu --seeds 1 --factors 1 2 --modes batch --target 0.3 --set epochs=1
+
+Every run is train_cifar.train(..., stop_at_target=True). Factor 1 is the no-echo baseline (mode "none"), run
+once per seed. Each finished run is appended to OUT/results.jsonl at once, so an interrupted study loses at most
+the run in flight; run the same command again to resume (finished runs are skipped). OUT/summary.{tsv,json}
+hold mean, std and n per mode x factor and the speed-ups over the baseline; OUT/echo_study.png plots fresh
+examples to target against the echo factor, with the lines "echoed data worth as much as fresh" (baseline / e)
+and "echoed data worth nothing" (baseline).
+
+The study also measures R = t_upstream / t_downstream for the chosen pipeline: t_upstream is the time per
+global batch the pipeline alone delivers (iterated without training, after a warm-up), t_downstream the time of
+a training step on a ready batch. Echoing can only speed wall-clock time up when R > 1, by at most min(e, R)
+(upstream and training overlapped, as with DataLoader workers) or (R + 1) / (R / e + 1) (one after the other,
+as in the device pipeline); the summary sets the measured wall-clock speed-up beside these bounds.
+
+Budget: by default every run has the workload's schedule and step budget (same hyper-parameters, so an echo
+run that needs more steps than the budget is reported as not reaching the target). --budget fresh gives a run
+with factor e e times the steps (LR knots stretched alike), i.e. the same budget of fresh examples.
+"""
+import argparse
+import ast
+import collections
+import datetime
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import core
+import pipeline
+import torch_backend as tb
+import train_cifar
+
+DEFAULT_MODES = ("example-before-aug", "example-after-aug", "batch")
+
+# A workload is a preset, overrides and a target. `cpu` is sized for a 2-core CPU: alone on a 2-thread AMD EPYC
+# (bf16) an epoch takes about 24 s, and a 4-epoch version of this schedule reached 85.4% (72.8% after epoch 3);
+# gpu94 is the real thing.
+WORKLOADS = {
+    "cpu": dict(preset="fast94", about="fast94 at widths 32/64/64, batch 512, 6 epochs, 80% without TTA",
+                overrides=dict(widths=(32, 64, 64), batch_size=512, epochs=6, lr_knots=(0, 1, 6),
+                               lr_values=(0.3, 1.5, 0.1), whiten_bias_epochs=1, lookahead_start_epoch=1, tta=0,
+                               target=0.80)),
+    "gpu94": dict(preset="fast94", about="fast94 (9.9 epochs, TTA at the end) to 94%",
+                  overrides=dict(target=0.94)),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# R = t_upstream / t_downstream
+
+def measure_r(preset, overrides, data, device, batches=10, warmup=3, log=print):
+    """Seconds per global batch of the pipeline alone (no echo) and per training step on a ready batch."""
+    cfg = train_cifar.make_config(preset, **dict(overrides, echo="none", echo_factor=1.0))
+    sync = tb.synchronizer(device)
+    precision = tb.resolve_precision(cfg["precision"], device)
+    on_device = tb.to_device(data, device, tb.DTYPES[precision], pad=cfg["pad"])
+    if cfg["pipeline"] == "loader":
+        on_device.update(raw_train_x=data["train_x"], raw_train_y=data["train_y"])
+    gen = torch.Generator(device=device).manual_seed(0)
+    stream_cls = pipeline.LoaderStream if cfg["pipeline"] == "loader" else pipeline.BatchStream
+    stream = stream_cls(on_device, cfg, gen, device)
+
+    def timed(fn, n):
+        sync()
+        t = time.perf_counter()
+        for _ in range(n):
+            out = fn()
+        sync()
+        return (time.perf_counter() - t) / n, out
+
+    timed(stream.next_batch, warmup)  # starts the workers and fills their prefetch queue
+    t_up, (x, y) = timed(stream.next_batch, batches)
+    if hasattr(stream, "close"):
+        stream.close()
+
+    model = train_cifar.build_model(cfg, device, on_device["train_x"], gen)
+    opt = train_cifar.make_optimizer(cfg, model)
+    for g in opt.param_groups:  # a small LR: the step costs the same, and the net stays finite
+        g["lr"] = 1e-3 * g["lr_scale"]
+
+    def step():
+        with tb.autocast(precision, device):
+            out = model(x)
+        loss = F.cross_entropy(out.float(), y, label_smoothing=cfg["label_smoothing"])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    timed(step, 2)
+    t_down, _ = timed(step, batches)
+    r = dict(pipeline=cfg["pipeline"], loader_workers=cfg["loader_workers"], batch_size=cfg["batch_size"],
+             precision=precision, t_upstream_s=t_up, t_downstream_s=t_down, R=t_up / t_down, batches=batches,
+             hardware=tb.device_name(device))
+    log(f"R = t_upstream / t_downstream = {t_up * 1e3:.1f} ms / {t_down * 1e3:.1f} ms = {r['R']:.3f} "
+        f"({cfg['pipeline']} pipeline, batch {cfg['batch_size']}, {precision})")
+    return r
+
+
+def overlapped(cfg):
+    """Whether upstream work runs alongside training (DataLoader worker processes) or before each step."""
+    return cfg["pipeline"] == "loader" and cfg["loader_workers"] > 0
+
+
+def ideal_speedup(e, r, overlap):
+    """Wall-clock speed-up of echo factor e if echoed examples were worth fresh ones, in units of a step."""
+    if overlap:
+        return max(r, 1.0) / max(r / e, 1.0)
+    return (r + 1) / (r / e + 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Runs and resume
+
+def run_key(rec):
+    return (rec["workload"], rec["pipeline"], rec["mode"], float(rec["factor"]), int(rec["seed"]))
+
+
+def read_results(path):
+    """Finished runs from the JSONL file; a line cut short by a crash is skipped with a warning."""
+    records = []
+    if not os.path.exists(path):
+        return records
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                print(f"warning: {path}:{n} is not a complete record (interrupted write?); ignored", file=sys.stderr)
+    return records
+
+
+def append_result(path, rec):
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def plan(modes, factors, seeds):
+    """(mode, factor, seed) in the order they run: all settings of one seed before the next seed."""
+    runs = []
+    for seed in seeds:
+        runs.append(("none", 1.0, seed))
+        runs += [(m, float(f), seed) for m in modes for f in factors if f != 1]
+    return runs
+
+
+def one_run(args, workload, data, device, mode, factor, seed, log):
+    overrides = dict(workload["overrides"], **args.overrides)
+    if args.target is not None:
+        overrides["target"] = args.target
+    if args.budget == "fresh" and factor != 1:
+        epochs = overrides.get("epochs", train_cifar.PRESETS[workload["preset"]]["epochs"])
+        knots = overrides.get("lr_knots", train_cifar.PRESETS[workload["preset"]]["lr_knots"])
+        overrides.update(epochs=epochs * factor, lr_knots=tuple(k * factor for k in knots))
+    cfg = train_cifar.make_config(workload["preset"], **overrides, pipeline=args.pipeline, echo=mode,
+                                  echo_factor=factor, echo_shuffle_buffer=args.echo_shuffle_buffer,
+                                  **({"loader_workers": args.loader_workers} if args.loader_workers is not None else {}))
+    rec = dict(workload=args.workload, pipeline=args.pipeline, mode=mode, factor=factor, seed=seed,
+               target=cfg["target"], reached=False, diverged=False)
+    t = time.perf_counter()
+    try:
+        s = train_cifar.train(workload["preset"], data=data, device=device, log=log, log_dir=None, runs=1, seed=seed,
+                              stop_at_target=True, **{k: v for k, v in cfg.items() if k not in ("preset", "runs", "seed", "stop_at_target")})
+        run = s["runs"][0]
+        per_epoch = train_cifar.steps_per_epoch(cfg, len(data["train_y"]))
+        total_steps = math.ceil(per_epoch * cfg["epochs"])
+        ep = run["epoch_reached_target"]
+        steps = min(ep * per_epoch, total_steps) if ep is not None else None
+        rec.update(reached=ep is not None, fresh_to_target=run["fresh_to_target"], epochs_to_target=ep,
+                   steps_to_target=steps, examples_to_target=steps * cfg["batch_size"] if steps else None,
+                   time_to_target_s=run["time_to_target_s"], accuracy=run["accuracy"],
+                   epochs_run=len(run["epochs"]), total_time_s=run["total_time_s"],
+                   final_fresh=run["epochs"][-1]["fresh"],
+                   test_acc_by_epoch=[r["test_acc"] for r in run["epochs"]],
+                   hardware=s["hardware"], precision=s["precision"], commit=s["commit"])
+    except train_cifar.Diverged as e:
+        rec.update(diverged=True, error=str(e))
+    rec.update(wall_s=time.perf_counter() - t, settings=args.settings,
+               finished=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    return rec
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Summary and plot
+
+def summarise(records, r_info, overlap):
+    """Mean, std and n per (mode, factor), over reached runs; speed-ups against the factor-1 baseline."""
+    groups = collections.defaultdict(list)
+    for rec in records:
+        groups[(rec["mode"], float(rec["factor"]))].append(rec)
+    rows = []
+    base = None
+    for (mode, factor), recs in sorted(groups.items(), key=lambda kv: (kv[0][0] != "none", kv[0][0], kv[0][1])):
+        ok = [r for r in recs if r["reached"]]
+        fresh_m, fresh_s = core.mean_std([r["fresh_to_target"] for r in ok])
+        time_m, time_s = core.mean_std([r["time_to_target_s"] for r in ok])
+        steps_m, steps_s = core.mean_std([r["steps_to_target"] for r in ok])
+        row = dict(mode=mode, factor=factor, n=len(recs), n_reached=len(ok), fresh_mean=fresh_m, fresh_std=fresh_s,
+                   steps_mean=steps_m, steps_std=steps_s, time_mean_s=time_m, time_std_s=time_s)
+        if mode == "none" and factor == 1:
+            base = row
+        rows.append(row)
+    r = r_info["R"] if r_info else math.nan
+    for row in rows:
+        ok = base is not None and base["n_reached"] and row["n_reached"]
+        row["fresh_speedup"] = base["fresh_mean"] / row["fresh_mean"] if ok else math.nan
+        row["time_speedup"] = base["time_mean_s"] / row["time_mean_s"] if ok else math.nan
+        row["min_e_R"] = min(row["factor"], r)
+        row["ideal_time_speedup"] = ideal_speedup(row["factor"], r, overlap) if r_info else math.nan
+    return rows
+
+
+SUMMARY_COLUMNS = ["mode", "factor", "n", "n_reached", "fresh_mean", "fresh_std", "steps_mean", "steps_std",
+                   "time_mean_s", "time_std_s", "fresh_speedup", "time_speedup", "min_e_R", "ideal_time_speedup"]
+
+
+def write_summary(out, rows, meta):
+    with open(os.path.join(out, "summary.tsv.tmp"), "w") as f:
+        f.write("\t".join(SUMMARY_COLUMNS) + "\n")
+        for row in rows:
+            f.write("\t".join(f"{row[c]:.6g}" if isinstance(row[c], float) else str(row[c]) for c in SUMMARY_COLUMNS) + "\n")
+    os.replace(os.path.join(out, "summary.tsv.tmp"), os.path.join(out, "summary.tsv"))
+    core.write_json_atomic(os.path.join(out, "summary.json"), dict(meta, rows=rows))
+
+
+def print_summary(rows, r_info, log=print):
+    log(f"{'mode':>18} {'e':>4} {'n':>5} {'fresh to target':>21} {'time to target (s)':>19} "
+        f"{'fresh x':>8} {'time x':>7} {'min(e,R)':>8} {'ideal x':>8}")
+    for row in rows:
+        log(f"{row['mode']:>18} {row['factor']:>4g} {row['n_reached']:>2}/{row['n']:<2} "
+            f"{row['fresh_mean']:>12.0f} ± {row['fresh_std']:<6.0f} {row['time_mean_s']:>10.1f} ± {row['time_std_s']:<6.1f} "
+            f"{row['fresh_speedup']:>8.2f} {row['time_speedup']:>7.2f} {row['min_e_R']:>8.2f} {row['ideal_time_speedup']:>8.2f}")
+    if r_info:
+        log(f"R = {r_info['R']:.3f}: " + ("the pipeline is the bottleneck, echoing can save wall-clock time"
+                                          if r_info["R"] > 1 else
+                                          "training is the bottleneck, echoing cannot save wall-clock time here "
+                                          "(only fresh examples)"))
+
+
+def plot(out, rows, title):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    base = next((r for r in rows if r["mode"] == "none"), None)
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
+    factors = sorted({r["factor"] for r in rows} | {1.0})
+    if base and base["n_reached"]:
+        grid = [factors[0] + (factors[-1] - factors[0]) * i / 100 for i in range(101)]
+        ax.plot(grid, [base["fresh_mean"] / e for e in grid], "k--", lw=1, label="echoed data worth as much as fresh")
+        ax.plot(grid, [base["fresh_mean"]] * len(grid), "k:", lw=1, label="echoed data worth nothing")
+    for mode in sorted({r["mode"] for r in rows} - {"none"}):
+        pts = sorted([r for r in rows if r["mode"] == mode and r["n_reached"]], key=lambda r: r["factor"])
+        if base and base["n_reached"]:
+            pts = [base] + pts
+        if pts:
+            ax.errorbar([p["factor"] for p in pts], [p["fresh_mean"] for p in pts], yerr=[p["fresh_std"] for p in pts],
+                        marker="o", capsize=3, label=mode)
+            ax2.errorbar([p["factor"] for p in pts], [p["time_speedup"] for p in pts], marker="o", capsize=3, label=mode)
+    if base and base["n_reached"] and len(rows) == 1:
+        ax.errorbar([1], [base["fresh_mean"]], yerr=[base["fresh_std"]], marker="o", capsize=3, label="no echo")
+    r_rows = sorted({(r["factor"], r["min_e_R"], r["ideal_time_speedup"]) for r in rows})
+    if r_rows and not math.isnan(r_rows[0][1]):
+        ax2.plot([f for f, _, _ in r_rows], [max(1.0, m) for _, m, _ in r_rows], "k--", lw=1, label="max(1, min(e, R))")
+        ax2.plot([f for f, _, _ in r_rows], [i for _, _, i in r_rows], "k:", lw=1, label="ideal for this pipeline")
+    ax.set(xlabel="echo factor e", ylabel="fresh examples to target", title=title, xticks=factors)
+    ax2.set(xlabel="echo factor e", ylabel="wall-clock speed-up to target", title="wall-clock vs baseline", xticks=factors)
+    for a in (ax, ax2):
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    fig.tight_layout()
+    path = os.path.join(out, "echo_study.png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Command line
+
+def parse_set(items):
+    """--set KEY=VALUE overrides of train_cifar options (Python literals: epochs=2, widths=(16,32,32))."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        try:
+            out[key.replace("-", "_")] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key.replace("-", "_")] = value
+    return out
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()), epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", default="cpu", choices=list(WORKLOADS),
+                   help="; ".join(f"{k}: {w['about']}" for k, w in WORKLOADS.items()).replace("%", "%%"))
+    p.add_argument("--pipeline", default="device", choices=["device", "loader"])
+    p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), choices=[m for m in pipeline.ECHO_MODES if m != "none"])
+    p.add_argument("--factors", nargs="+", type=float, default=[1, 2, 4], help="echo factors (1: the baseline)")
+    p.add_argument("--seeds", type=int, default=3, help="number of seeds, from --seed0")
+    p.add_argument("--seed0", type=int, default=0)
+    p.add_argument("--target", type=float, default=None, help="override the workload's target accuracy")
+    p.add_argument("--budget", default="steps", choices=["steps", "fresh"],
+                   help="steps: every run has the workload's step budget; fresh: e times the steps for factor e")
+    p.add_argument("--echo-shuffle-buffer", type=int, default=0)
+    p.add_argument("--loader-workers", type=int, default=None)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other train_cifar option, e.g. --set epochs=2 --set precision=fp32")
+    p.add_argument("--data", default=None, help="CIFAR-10 .npz, tarball or folder (default: $CIFAR10_DATA or ./data)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", default=None, help="output folder (default logs/echo-<workload>-<pipeline>)")
+    p.add_argument("--r-batches", type=int, default=10, help="timed batches for t_upstream and t_downstream")
+    p.add_argument("--no-r", action="store_true", help="skip measuring R (reuse the one in OUT/summary.json)")
+    p.add_argument("--verbose", action="store_true", help="print every run's per-epoch table")
+    args = p.parse_args(argv)
+    if any(f < 1 for f in args.factors) or args.seeds < 1:
+        p.error("factors must be >= 1 and --seeds >= 1")
+    try:
+        args.overrides = parse_set(args.set)
+        train_cifar.make_config(WORKLOADS[args.workload]["preset"],
+                                **dict(WORKLOADS[args.workload]["overrides"], **args.overrides))
+    except ValueError as e:
+        p.error(str(e))
+    args.out = args.out or os.path.join("logs", f"echo-{args.workload}-{args.pipeline}")
+    # What must not change within one output folder (a resumed study must measure the same thing).
+    args.settings = dict(workload=args.workload, pipeline=args.pipeline, target=args.target, budget=args.budget,
+                         echo_shuffle_buffer=args.echo_shuffle_buffer, loader_workers=args.loader_workers,
+                         overrides={k: list(v) if isinstance(v, tuple) else v for k, v in sorted(args.overrides.items())})
+    return p, args
+
+
+def fmt_duration(s):
+    s = int(round(s))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def main(argv=None):
+    parser, args = parse_args(argv)
+    workload = WORKLOADS[args.workload]
+    os.makedirs(args.out, exist_ok=True)
+    results_path = os.path.join(args.out, "results.jsonl")
+    records = read_results(results_path)
+    mismatched = [r for r in records if r.get("settings") != args.settings]
+    if mismatched:
+        parser.exit(2, f"{parser.prog}: error: {results_path} holds runs with other settings "
+                       f"({mismatched[0].get('settings')}); use another --out\n")
+    done = {run_key(r) for r in records}
+    todo = [(m, f, s) for m, f, s in plan(args.modes, args.factors, range(args.seed0, args.seed0 + args.seeds))
+            if (args.workload, args.pipeline, m, f, s) not in done]
+    print(f"study: workload {args.workload} ({workload['about']}), {args.pipeline} pipeline, modes "
+          f"{' '.join(args.modes)}, factors {' '.join(f'{f:g}' for f in args.factors)}, {args.seeds} seed(s); "
+          f"{len(done)} run(s) already in {results_path}, {len(todo)} to go", flush=True)
+
+    device = torch.device(args.device) if args.device else tb.default_device()
+    try:
+        data = tb.load_cifar10(args.data or train_cifar.default_data_path())
+    except tb.DataError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    overrides = dict(workload["overrides"], **args.overrides, pipeline=args.pipeline)
+    if args.target is not None:
+        overrides["target"] = args.target
+    if args.loader_workers is not None:
+        overrides["loader_workers"] = args.loader_workers
+    cfg = train_cifar.make_config(workload["preset"], **overrides)
+    if args.pipeline == "loader":  # encode once here, so no run's timer pays for it (the cache is per array)
+        t = time.perf_counter()
+        pipeline.encode_pngs(data["train_x"])
+        print(f"PNG-encoded {len(data['train_x'])} training images in {time.perf_counter() - t:.1f} s", flush=True)
+
+    summary_path = os.path.join(args.out, "summary.json")
+    r_info = None
+    if args.no_r:
+        if os.path.exists(summary_path):
+            with open(summary_path) as f:
+                r_info = json.load(f).get("r")
+    else:
+        r_info = measure_r(workload["preset"], overrides, data, device, batches=args.r_batches,
+                           log=lambda m: print(m, flush=True))
+
+    def finish(status):
+        records_now = [r for r in read_results(results_path) if r.get("settings") == args.settings]
+        rows = summarise(records_now, r_info, overlapped(cfg))
+        meta = dict(workload=args.workload, about=workload["about"], pipeline=args.pipeline, settings=args.settings,
+                    config={k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()}, r=r_info,
+                    overlapped_pipeline=overlapped(cfg), runs=len(records_now), status=status,
+                    written=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    note="means over runs that reached the target; speed-ups are baseline mean / mean")
+        write_summary(args.out, rows, meta)
+        png = plot(args.out, rows, f"{args.workload}, {args.pipeline} pipeline, target {cfg['target']:g}")
+        print_summary(rows, r_info)
+        print(f"wrote {results_path}, {os.path.join(args.out, 'summary.tsv')}, {summary_path}, {png}", flush=True)
+
+    log = print if args.verbose else (lambda *a: None)
+    t0, walls = time.perf_counter(), []
+    try:
+        for i, (mode, factor, seed) in enumerate(todo, 1):
+            rec = one_run(args, workload, data, device, mode, factor, seed, log)
+            append_result(results_path, rec)
+            walls.append(rec["wall_s"])
+            eta = sum(walls) / len(walls) * (len(todo) - i)
+            what = (f"reached at epoch {rec['epochs_to_target']}, fresh {rec['fresh_to_target']:,}, "
+                    f"{rec['time_to_target_s']:.1f} s to target" if rec["reached"]
+                    else "DIVERGED" if rec["diverged"] else f"did not reach {rec['target']:g} (acc {rec['accuracy']:.4f})")
+            print(f"[{i}/{len(todo)}] {mode:>18} e={factor:<4g} seed {seed}: {what} (run {rec['wall_s']:.0f} s) | "
+                  f"elapsed {fmt_duration(time.perf_counter() - t0)}, ETA {fmt_duration(eta)}", flush=True)
+    except KeyboardInterrupt:
+        print("\ninterrupted: the run in flight is lost, finished runs are kept; run the same command to resume",
+              flush=True)
+        finish("interrupted")
+        sys.exit(130)
+    finish("complete")
+
+
+if __name__ == "__main__":
+    main()

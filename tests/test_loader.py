@@ -1,0 +1,253 @@
+"""The loader pipeline (pipeline.LoaderStream): PNG round trip, per-sample augmentation in the workers against the
+reference definition, echo counts per upstream pass, whole-batch echo, the streaming shuffle buffer and exact
+fresh-example counting, with 0 and 1 DataLoader workers."""
+import collections
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import pipeline
+import torch_backend as tb
+import train_cifar
+from conftest import synthetic
+
+CPU = torch.device("cpu")
+ALL_MODES = ["none", "example-before-aug", "example-after-aug", "batch"]
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def loader_data(n=200, pad=2, dtype=torch.float32, seed=0):
+    """What train() hands the loader pipeline: the device tensors (padded) plus the raw uint8 arrays."""
+    raw = synthetic(n_train=n, n_test=10, seed=seed)
+    data = tb.to_device(raw, CPU, dtype, pad=pad)
+    data.update(raw_train_x=raw["train_x"], raw_train_y=raw["train_y"])
+    return data
+
+
+def stream_of(data, workers=0, **cfg):
+    cfg = dict(dict(batch_size=20, pad=2, cutout=0, flip="random", echo="none", echo_factor=1,
+                    echo_shuffle_buffer=0, loader_workers=workers), **cfg)
+    return pipeline.LoaderStream(data, cfg, gen(cfg.pop("seed", 0)), CPU)
+
+
+def test_png_round_trip_is_exact(cifar10):
+    rng = np.random.default_rng(0)
+    x = cifar10["train_x"][rng.permutation(len(cifar10["train_x"]))[:400]]
+    extremes = np.stack([np.zeros((32, 32, 3), np.uint8), np.full((32, 32, 3), 255, np.uint8),
+                         synthetic(n_train=10)["train_x"][0]])
+    for images in (x, extremes):
+        encoded = pipeline.EncodedImages(images)
+        assert len(encoded) == len(images) and encoded.blob.dtype == np.uint8
+        decoded = np.stack([encoded.decode(i) for i in range(len(images))])
+        assert decoded.dtype == np.uint8 and np.array_equal(decoded, images)
+
+
+def test_encoding_is_done_once_per_array():
+    a, b = synthetic(n_train=20)["train_x"], synthetic(n_train=20, seed=1)["train_x"]
+    assert pipeline.encode_pngs(a) is pipeline.encode_pngs(a)
+    assert pipeline.encode_pngs(b) is not pipeline.encode_pngs(a)
+
+
+@pytest.mark.parametrize("size, pad", [(32, 0), (32, 2), (32, 4), (32, 16), (5, 3)])
+def test_reflect_index_is_reflect_padding(size, pad):
+    x = np.arange(size)
+    assert np.array_equal(x[pipeline.reflect_index(size, pad)], np.pad(x, pad, mode="reflect"))
+
+
+@pytest.mark.parametrize("pad, cutout, flip", [(0, 0, False), (2, 0, True), (4, 8, True), (4, 12, False)])
+def test_worker_augmentation_equals_the_reference(pad, cutout, flip):
+    """A worker's job, decoded from PNG and augmented one sample at a time, is augment_reference of the
+    normalised, padded data set with the draws the worker made."""
+    data = loader_data(n=100, pad=pad)
+    dataset = pipeline.LoaderDataset(pipeline.encode_pngs(data["raw_train_x"]), data["raw_train_y"], pad, cutout, flip)
+    index = np.random.default_rng(pad + cutout).permutation(100)[:60]
+    out = dataset[(1, 7, 1234, index)]
+    ref = tb.augment_reference(data["train_x"], torch.from_numpy(index), out, cutout=cutout)
+    assert torch.equal(out["x"].permute(0, 3, 1, 2), ref)  # bit for bit
+    assert torch.equal(out["y"], data["train_y"][index]) and (out["upstream"] == 7).all() and (out["pass"] == 1).all()
+    again = dataset[(1, 7, 1234, index)]
+    assert all(torch.equal(out[k], again[k]) for k in pipeline.AUG_KEYS)  # draws depend on the job only
+    other = dataset[(1, 8, 1234, index)]
+    if pad or flip or cutout:
+        assert not all(torch.equal(out[k], other[k]) for k in pipeline.AUG_KEYS)
+
+
+def test_draws_cover_the_device_pipelines_ranges():
+    aug = pipeline.draw_augmentation_np(np.random.default_rng(0), 20000, 4, 8, True)
+    assert set(aug["dy"].tolist()) == set(range(9)) and set(aug["dx"].tolist()) == set(range(9))
+    assert set(aug["cy"].tolist()) == set(range(25)) and set(aug["cx"].tolist()) == set(range(25))
+    assert 0.48 < aug["flip"].mean() < 0.52
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("mode, factor", [("none", 1), ("example-before-aug", 2), ("example-after-aug", 2.5),
+                                          ("batch", 2)])
+def test_stream_batches_are_the_reference_augmentation(mode, factor, workers):
+    data = loader_data(n=100, pad=4)
+    stream = stream_of(data, workers, pad=4, cutout=8, echo=mode, echo_factor=factor, batch_size=25)
+    for _ in range(10):  # crosses a pass boundary (4 upstream batches per pass)
+        x, y = stream.next_batch()
+        assert x.shape == (25, 3, 32, 32) and x.dtype == torch.float32
+        assert x.is_contiguous(memory_format=torch.channels_last)
+        ref = tb.augment_reference(data["train_x"], stream.last["index"], stream.last, cutout=8)
+        assert torch.equal(x, ref) and torch.equal(y, data["train_y"][stream.last["index"]])
+    stream.close()
+
+
+def test_bf16_slices_of_the_global_batch():
+    data = loader_data(n=100, pad=2, dtype=torch.bfloat16)
+    stream = stream_of(data, echo="example-before-aug", echo_factor=2, cutout=4)
+    x, y = stream.next_batch(5, 15)
+    ref = tb.augment_reference(data["train_x"], stream.last["index"][5:15],
+                               {k: v[5:15] for k, v in stream.last.items()}, cutout=4)
+    assert x.dtype == torch.bfloat16 and x.shape == (10, 3, 32, 32) and torch.equal(x, ref)
+    assert torch.equal(y, data["train_y"][stream.last["index"][5:15]])
+
+
+def test_the_number_of_workers_does_not_change_the_batches():
+    data = loader_data(n=100)
+    a, b = (stream_of(data, w, echo="example-after-aug", echo_factor=1.5, echo_shuffle_buffer=30) for w in (0, 1))
+    for _ in range(12):
+        (xa, ya), (xb, yb) = a.next_batch(), b.next_batch()
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    c = stream_of(data, 0, echo="example-after-aug", echo_factor=1.5, echo_shuffle_buffer=30, seed=1)
+    assert not torch.equal(c.next_batch()[0], stream_of(data, 0, echo="example-after-aug", echo_factor=1.5,
+                                                         echo_shuffle_buffer=30).next_batch()[0])
+    b.close()
+
+
+def count_per_pass(stream, batches):
+    seen = collections.Counter()
+    draws = collections.defaultdict(set)
+    for _ in range(batches):
+        stream.next_batch()
+        last = stream.last
+        for r in range(len(last["index"])):
+            key = (int(last["pass"][r]), int(last["index"][r]))
+            seen[key] += 1
+            draws[key].add(tuple(int(last[k][r]) for k in pipeline.AUG_KEYS))
+    return seen, draws
+
+
+@pytest.mark.parametrize("factor", [1, 2, 3])
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_each_example_appears_factor_times_per_upstream_pass(mode, factor):
+    """250 examples, batch 20: a pass delivers 12 upstream batches (240 examples, 10 dropped) and, echoed,
+    12 * factor training batches, in which every delivered example appears factor times."""
+    data = loader_data(n=250)
+    stream = stream_of(data, pad=4, echo=mode, echo_factor=factor)
+    e = factor if mode != "none" else 1
+    seen, draws = count_per_pass(stream, 2 * 12 * e)
+    assert stream.passes == 2 and stream.fresh_read == 2 * 240
+    for p in (1, 2):
+        in_pass = {i: c for (q, i), c in seen.items() if q == p}
+        assert len(in_pass) == 240 and set(in_pass.values()) == {e}
+    if mode in ("example-after-aug", "batch"):  # copies are the same augmented example
+        assert all(len(d) == 1 for d in draws.values())
+    elif mode == "example-before-aug" and e > 1:  # every copy is augmented on its own
+        assert sum(len(d) for d in draws.values()) > 0.9 * sum(seen.values())
+
+
+@pytest.mark.parametrize("workers, factor", [(0, 2), (1, 3), (0, 2.5)])
+def test_batch_echo_repeats_whole_identical_batches(workers, factor):
+    data = loader_data(n=100)
+    stream = stream_of(data, workers, echo="batch", echo_factor=factor, cutout=6)
+    groups, previous = [], None
+    for _ in range(30):
+        x, y = stream.next_batch()
+        u = stream.last["upstream"]
+        assert (u == u[0]).all()  # a training batch is one upstream batch
+        if previous is not None and int(u[0]) == previous[0]:
+            assert torch.equal(x, previous[1]) and torch.equal(y, previous[2])
+            groups[-1] += 1
+        else:
+            groups.append(1)
+        previous = (int(u[0]), x, y)
+    assert int(stream.last["upstream"][0]) == len(groups) - 1 and stream.fresh_read == 20 * len(groups)
+    full = groups[:-1]  # the last group may be cut short
+    if factor == int(factor):
+        assert set(full) == {factor}
+    else:
+        assert set(full) == {2, 3}
+
+
+def test_shuffle_buffer_streams_every_item_exactly_once():
+    for n, size in [(1000, 10), (1000, 999), (5, 10), (300, 64)]:
+        buf = pipeline.ShuffleBuffer(size, gen(size))
+        assert buf.push(list(range(n))) + buf.flush() == pipeline.shuffle_buffer_order(n, size, gen(size)).tolist()
+        buf, out, pushed = pipeline.ShuffleBuffer(size, gen(1)), [], 0
+        chunks = np.random.default_rng(size).integers(1, 50, 100)
+        for k in chunks:  # pushed in pieces, as upstream batches arrive
+            items = list(range(pushed, min(pushed + int(k), n)))
+            pushed += len(items)
+            emitted = buf.push(items)
+            assert len(emitted) == max(0, pushed - size) - len(out) and all(i < pushed for i in emitted)
+            out += emitted
+        out += buf.flush()
+        assert sorted(out) == list(range(n)) and (size >= n or out != list(range(n)))
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_shuffled_echo_stream_keeps_every_item_exactly_once(workers):
+    """With a 50-item buffer the stream is shuffled across batches and passes, yet what came out plus what is
+    still waiting (echo stage, buffer) is every delivered example of every pass exactly factor times."""
+    data = loader_data(n=100)
+    stream = stream_of(data, workers, echo="example-after-aug", echo_factor=2, echo_shuffle_buffer=50)
+    seen, _ = count_per_pass(stream, 33)  # 660 items out, not a whole number of upstream batches
+    waiting = stream.ready + stream.buffer.items
+    assert len(stream.buffer.items) == 50
+    for r in waiting:
+        info = stream.chunks[r // 20].info
+        seen[(int(info["pass"][r % 20]), int(info["index"][r % 20]))] += 1
+    passes = stream.fresh_read // 100 + (stream.fresh_read % 100 > 0)
+    assert sum(seen.values()) == 2 * stream.fresh_read and passes == stream.passes == 4
+    assert set(seen.values()) == {2}
+    for p in range(1, passes):  # complete passes: every example
+        assert {i for q, i in seen if q == p} == set(range(100))
+    plain = stream_of(data, workers, echo="example-after-aug", echo_factor=2)
+    plain.next_batch()
+    assert (plain.last["index"][0::2] == plain.last["index"][1::2]).all()  # without the buffer copies are adjacent
+    stream.next_batch()
+    assert (stream.last["index"][0::2] != stream.last["index"][1::2]).any()
+
+
+@pytest.mark.parametrize("mode, factor, buffer", [("none", 1, 0), ("example-before-aug", 2.5, 0),
+                                                  ("example-after-aug", 3, 37), ("batch", 2, 0), ("batch", 1.5, 25)])
+def test_fresh_read_counts_exactly_the_delivered_examples(mode, factor, buffer):
+    """Upstream batches 0, 1, ... are delivered in order; each is either emitted or still waiting (echo stage,
+    shuffle buffer), so fresh_read is 20 times the number of upstream batches referred to so far."""
+    data = loader_data(n=100)
+    stream = stream_of(data, echo=mode, echo_factor=factor, echo_shuffle_buffer=buffer)
+    assert stream.fresh_read == 0
+    emitted = set()
+    for k in range(1, 31):
+        stream.next_batch()
+        emitted |= set(stream.last["upstream"].tolist())
+        waiting = {r // 20 for r in stream.ready + (stream.buffer.items if stream.buffer else [])}
+        referred = emitted | waiting
+        assert stream.fresh_read == 20 * len(referred) == 20 * (max(referred) + 1)
+        if mode == "none":
+            assert stream.fresh_read == 20 * k
+        elif buffer == 0 and factor == int(factor):
+            assert stream.fresh_read == 20 * math.ceil(k / factor)
+    assert stream.passes == math.ceil(stream.fresh_read / 100)
+
+
+def test_checkpoint_is_not_supported():
+    stream = stream_of(loader_data(n=40))
+    with pytest.raises(ValueError, match="--checkpoint is not supported with --pipeline loader"):
+        stream.state_dict()
+
+
+def test_train_with_the_loader_pipeline_counts_fresh_examples(tiny):
+    """End to end: 200 images, batch 50 (4 steps an epoch), batch echo 2: an epoch reads 100 fresh examples."""
+    s = train_cifar.train("fast94", data=tiny, log_dir=None, log=lambda *a: None, widths=(8, 16, 16), batch_size=50,
+                          epochs=2, precision="fp32", tta=0, pipeline="loader", loader_workers=1, echo="batch",
+                          echo_factor=2)
+    run = s["runs"][0]
+    assert [r["fresh"] for r in run["epochs"]] == [100, 200] and run["accuracy"] is not None

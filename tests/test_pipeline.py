@@ -1,0 +1,124 @@
+"""Data-echoing semantics: how often each example appears per upstream pass, whole-batch repeats, the shuffle
+buffer, and exact fresh-example counting."""
+import collections
+
+import pytest
+import torch
+
+import pipeline
+import torch_backend as tb
+
+CFG = dict(batch_size=8, pad=2, cutout=0, flip="random")
+
+
+def stream_of(n, cfg, generator):
+    data = dict(train_x=torch.zeros(n, 36, 36, 3), train_y=torch.arange(n))
+    return pipeline.BatchStream(data, cfg, generator, torch.device("cpu"))
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("factor", [1, 2, 4])
+@pytest.mark.parametrize("mode", ["example-before-aug", "example-after-aug"])
+def test_example_echo_repeats_each_example_factor_times(mode, factor):
+    fresh = torch.randperm(100, generator=gen())
+    items, aug_ids, first = pipeline.echo_pass(fresh, mode, factor, 8, gen(1))
+    assert collections.Counter(items.tolist()) == {i: factor for i in range(100)}
+    assert first.sum() == 100 and set(items[first].tolist()) == set(range(100))
+    copies_share = {}
+    for item, a in zip(items.tolist(), aug_ids.tolist()):
+        copies_share.setdefault(item, set()).add(a)
+    if mode == "example-before-aug":  # every copy is augmented on its own
+        assert len(set(aug_ids.tolist())) == len(items)
+    else:  # the augmented example itself is repeated
+        assert all(len(a) == 1 for a in copies_share.values()) and len(set(aug_ids.tolist())) == 100
+
+
+def test_non_integer_factor_mixes_floor_and_ceil_with_the_right_mean():
+    r = pipeline.echo_repeats(200000, 2.3, gen())
+    assert set(r.tolist()) == {2, 3} and r.float().mean() == pytest.approx(2.3, abs=0.01)
+    with pytest.raises(ValueError):
+        pipeline.echo_repeats(10, 0.5, gen())
+
+
+@pytest.mark.parametrize("factor", [2, 3])
+def test_batch_echo_repeats_whole_batches(factor):
+    fresh = torch.randperm(50, generator=gen())
+    items, aug_ids, first = pipeline.echo_pass(fresh, "batch", factor, 8, gen(1))
+    batches = items.view(-1, 8)
+    assert len(batches) == 6 * factor  # 6 whole batches of 8 from 50 examples, each repeated
+    for b in range(6):
+        block = batches[b * factor:(b + 1) * factor]
+        assert (block == fresh[b * 8:(b + 1) * 8]).all()  # identical consecutive copies
+    assert (aug_ids.view(-1, 8)[::factor] == aug_ids.view(-1, 8)[factor - 1::factor]).all()
+    assert first.sum() == 48
+
+
+def test_shuffle_buffer_emits_every_item_exactly_once():
+    for n, size in [(1000, 1), (1000, 10), (1000, 999), (5, 10)]:
+        order = pipeline.shuffle_buffer_order(n, size, gen(size))
+        assert sorted(order.tolist()) == list(range(n))
+    order = pipeline.shuffle_buffer_order(1000, 10, gen()).tolist()
+    assert order != list(range(1000))
+    # an item leaves only after it entered: the k-th output happens when item k + size enters
+    assert all(item <= k + 10 for k, item in enumerate(order))
+
+
+def test_without_echo_a_pass_is_a_plain_shuffled_epoch():
+    stream = stream_of(40, dict(CFG, flip="alternate"), gen(3))
+    g = gen(3)
+    base_flip = torch.randint(0, 2, (40,), generator=g).bool()
+    for epoch in range(2):
+        perm = torch.randperm(40, generator=g)
+        aug = tb.draw_augmentation(40, 2, 0, False, g, torch.device("cpu"))
+        aug["flip"] = base_flip[perm] ^ bool(epoch % 2)
+        for b in range(5):
+            idx, a = stream.next_indices()
+            sl = slice(b * 8, b * 8 + 8)
+            assert (idx == perm[sl]).all() and all((a[k] == aug[k][sl]).all() for k in aug)
+    assert stream.fresh_read == 80
+
+
+@pytest.mark.parametrize("mode, factor", [("none", 1), ("example-before-aug", 2.5), ("example-after-aug", 4),
+                                          ("batch", 2)])
+def test_fresh_example_count_is_exact(mode, factor):
+    cfg = dict(CFG, echo=mode, echo_factor=factor)
+    stream = stream_of(64, cfg, gen())
+    seen_in_pass, fresh, passes = set(), 0, 0
+    for _ in range(60):
+        idx, _ = stream.next_indices()
+        if stream.passes != passes:  # a new upstream pass began with this batch
+            passes, seen_in_pass = stream.passes, set()
+        new = set(idx.tolist()) - seen_in_pass
+        fresh += len(new)
+        seen_in_pass |= new
+        assert stream.fresh_read == fresh
+    examples_trained = 60 * 8
+    assert fresh == pytest.approx(examples_trained / factor, rel=0.15)
+
+
+def test_shuffle_buffer_reads_ahead_by_at_most_its_size():
+    cfg = dict(CFG, echo="example-after-aug", echo_factor=2, echo_shuffle_buffer=16)
+    stream = stream_of(64, cfg, gen())
+    emitted = set()
+    for _ in range(10):  # within the first pass (128 items)
+        idx, _ = stream.next_indices()
+        emitted |= set(idx.tolist())
+        assert len(emitted) <= stream.fresh_read <= len(emitted) + 16
+
+
+def test_stream_state_round_trip():
+    cfg = dict(CFG, echo="example-before-aug", echo_factor=2)
+    a = stream_of(64, cfg, gen(5))
+    for _ in range(7):
+        a.next_indices()
+    g_state = a.gen.get_state()
+    b = stream_of(64, cfg, torch.Generator())
+    b.load_state_dict(a.state_dict())
+    b.gen.set_state(g_state)
+    for _ in range(30):  # crosses into new passes
+        (ia, aa), (ib, ab) = a.next_indices(), b.next_indices()
+        assert (ia == ib).all() and all((aa[k] == ab[k]).all() for k in aa)
+    assert a.fresh_read == b.fresh_read
