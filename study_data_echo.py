@@ -3,7 +3,8 @@ and echo factor, over several seeds.
 
     python study_data_echo.py --workload cpu --data cifar10.npz                # small net, ~1-2 min a run on a CPU
     python study_data_echo.py --workload gpu94 --pipeline loader --seeds 5      # fast94 to 94%: the GPU study
-    python study_data_echo.py --workload cpu --seeds 1 --factors 1 2 --modes batch --target 0.3 --set epochs=1
+    python study_data_echo.py --seeds 1 --factors 1 2 --modes batch --train-subset 2000 --target 0.15 \\
+        --set epochs=2 --set "widths=(8,16,16)" --out /tmp/echo-smoke     # a smoke test (seconds)
 
 Every run is train_cifar.train(..., stop_at_target=True). Factor 1 is the no-echo baseline (mode "none"), run
 once per seed. Each finished run is appended to OUT/results.jsonl at once, so an interrupted study loses at most
@@ -32,6 +33,7 @@ import os
 import sys
 import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -217,7 +219,7 @@ def summarise(records, r_info, overlap):
         ok = base is not None and base["n_reached"] and row["n_reached"]
         row["fresh_speedup"] = base["fresh_mean"] / row["fresh_mean"] if ok else math.nan
         row["time_speedup"] = base["time_mean_s"] / row["time_mean_s"] if ok else math.nan
-        row["min_e_R"] = min(row["factor"], r)
+        row["min_e_R"] = min(row["factor"], r) if r_info else math.nan
         row["ideal_time_speedup"] = ideal_speedup(row["factor"], r, overlap) if r_info else math.nan
     return rows
 
@@ -278,7 +280,8 @@ def plot(out, rows, title):
     ax2.set(xlabel="echo factor e", ylabel="wall-clock speed-up to target", title="wall-clock vs baseline", xticks=factors)
     for a in (ax, ax2):
         a.grid(alpha=0.3)
-        a.legend(fontsize=8)
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=8)
     fig.tight_layout()
     path = os.path.join(out, "echo_study.png")
     fig.savefig(path, dpi=120)
@@ -321,6 +324,8 @@ def parse_args(argv):
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any other train_cifar option, e.g. --set epochs=2 --set precision=fp32")
     p.add_argument("--data", default=None, help="CIFAR-10 .npz, tarball or folder (default: $CIFAR10_DATA or ./data)")
+    p.add_argument("--train-subset", type=int, default=0, metavar="N",
+                   help="train on a fixed random N of the training images (smoke tests; 0: all)")
     p.add_argument("--device", default=None)
     p.add_argument("--out", default=None, help="output folder (default logs/echo-<workload>-<pipeline>)")
     p.add_argument("--r-batches", type=int, default=10, help="timed batches for t_upstream and t_downstream")
@@ -339,6 +344,7 @@ def parse_args(argv):
     # What must not change within one output folder (a resumed study must measure the same thing).
     args.settings = dict(workload=args.workload, pipeline=args.pipeline, target=args.target, budget=args.budget,
                          echo_shuffle_buffer=args.echo_shuffle_buffer, loader_workers=args.loader_workers,
+                         train_subset=args.train_subset,
                          overrides={k: list(v) if isinstance(v, tuple) else v for k, v in sorted(args.overrides.items())})
     return p, args
 
@@ -370,6 +376,9 @@ def main(argv=None):
         data = tb.load_cifar10(args.data or train_cifar.default_data_path())
     except tb.DataError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    if args.train_subset:  # a random subset: the training set is sorted by class
+        keep = np.random.default_rng(0).permutation(len(data["train_y"]))[:args.train_subset]
+        data = dict(data, train_x=data["train_x"][keep], train_y=data["train_y"][keep])
     overrides = dict(workload["overrides"], **args.overrides, pipeline=args.pipeline)
     if args.target is not None:
         overrides["target"] = args.target

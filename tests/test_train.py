@@ -141,7 +141,21 @@ def test_optimizer_groups_keep_decay_per_step_equal():
     opt = train_cifar.make_optimizer(cfg, model)
     slow, fast = opt.param_groups
     assert fast["lr_scale"] == 64 and fast["lr_scale"] * fast["weight_decay"] == pytest.approx(slow["weight_decay"])
-    bn_biases = [m.bias for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
-    assert len(fast["params"]) == len(bn_biases) == 6 and all(any(p is b for b in bn_biases) for p in fast["params"])
-    assert any(p is model.whiten.bias for p in slow["params"])  # trained for a few epochs at the plain LR
+    biases = [m.bias for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)] + [model.whiten.bias]
+    assert len(fast["params"]) == len(biases) == 7 and all(any(p is b for b in biases) for p in fast["params"])
+    assert all(p.ndim > 1 for p in slow["params"])
     assert not any(p is model.whiten.weight for g in opt.param_groups for p in g["params"])  # frozen
+
+
+def test_step_evaluations_stop_at_target_on_a_holdout():
+    data = synthetic(400, 100)
+    s = train_cifar.train("resnet9", data=data, log_dir=None, log=lambda *a: None, **dict(
+        TINY, epochs=3, holdout=100, eval_every_steps=3, stop_at_target=True, target=0.01))
+    run = s["runs"][0]
+    assert run["step_reached_target"] == 3 and [e["step"] for e in run["evals"]] == [3]
+    assert len(run["epochs"]) == 1 and run["accuracy"] is not None  # stopped in the first epoch
+    assert run["fresh_to_target"] == 3 * 50  # three batches of fresh examples
+    full = train_cifar.train("resnet9", data=data, log_dir=None, log=lambda *a: None,
+                             **dict(TINY, epochs=1, holdout=100, eval_every_steps=2))
+    assert [e["step"] for e in full["runs"][0]["evals"]] == [2, 4, 6]  # 300 training images, batch 50
+    assert all(round(e["test_acc"] * 100) == e["test_acc"] * 100 for e in full["runs"][0]["evals"])
