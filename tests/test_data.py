@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 import torch_backend as tb
-from conftest import synthetic
 
 NAMES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
 
