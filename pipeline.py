@@ -35,7 +35,7 @@ def shuffle_buffer_order(n, size, generator):
     if size <= 1 or n <= 1:
         return torch.arange(n)
     out, buffer = [], []
-    picks = torch.randint(0, size, (max(n - size, 0),), generator=generator).tolist()
+    picks = torch.randint(0, size, (max(n - size, 0),), generator=generator, device=generator.device).tolist()
     for i in range(n):
         if len(buffer) < size:
             buffer.append(i)
@@ -43,7 +43,7 @@ def shuffle_buffer_order(n, size, generator):
         j = picks[i - size]
         out.append(buffer[j])
         buffer[j] = i
-    tail = torch.randperm(len(buffer), generator=generator).tolist()
+    tail = torch.randperm(len(buffer), generator=generator, device=generator.device).tolist()
     out.extend(buffer[t] for t in tail)
     return torch.tensor(out, dtype=torch.long)
 
@@ -150,7 +150,8 @@ class BatchStream:
 # one sample at a time in torch.utils.data.DataLoader worker processes; the echo stage sits in the trainer's
 # process, after the workers (or, for example-before-aug, between decoding and augmentation).
 
-_PNG_CACHE = {}  # id(array) -> (weak reference to the array, EncodedImages): encode a data set once per process
+_PNG_BY_ID = {}      # id(array) -> (weak reference to the array, EncodedImages)
+_PNG_BY_CONTENT = {}  # digest of the pixels -> EncodedImages, the last few data sets
 
 
 class EncodedImages:
@@ -185,15 +186,23 @@ class EncodedImages:
             return np.asarray(im.convert("RGB"))
 
 
-def encode_pngs(images_nhwc_uint8):
-    """EncodedImages for this array, cached per array object for the life of the process, so several runs (and
-    a warm-up outside a timer) encode the training set once."""
-    key = id(images_nhwc_uint8)
-    hit = _PNG_CACHE.get(key)
-    if hit is not None and hit[0]() is images_nhwc_uint8:
+def encode_pngs(images_nhwc_uint8, keep=2):
+    """EncodedImages for these images, cached for the life of the process, so several runs (and a warm-up
+    outside a timer) encode a training set once: by array object, else by a digest of the pixels (a copy of
+    the same images, as train() makes for a held-out split, is found in a fraction of a second)."""
+    import hashlib
+    x = images_nhwc_uint8
+    hit = _PNG_BY_ID.get(id(x))
+    if hit is not None and hit[0]() is x:
         return hit[1]
-    encoded = EncodedImages(images_nhwc_uint8)
-    _PNG_CACHE[key] = (weakref.ref(images_nhwc_uint8), encoded)
+    digest = (x.shape, hashlib.sha1(memoryview(np.ascontiguousarray(x)).cast("B")).hexdigest())
+    encoded = _PNG_BY_CONTENT.pop(digest, None) or EncodedImages(x)
+    _PNG_BY_CONTENT[digest] = encoded  # most recent last
+    while len(_PNG_BY_CONTENT) > keep:
+        del _PNG_BY_CONTENT[next(iter(_PNG_BY_CONTENT))]
+    for key in [k for k, (ref, _) in _PNG_BY_ID.items() if ref() is None]:
+        del _PNG_BY_ID[key]
+    _PNG_BY_ID[id(x)] = (weakref.ref(x), encoded)
     return encoded
 
 
@@ -256,7 +265,8 @@ class LoaderDataset(torch.utils.data.Dataset):
         pass_no, upstream, seed, index = job
         b, s, p = len(index), self.size, self.pad
         out = {"y": torch.from_numpy(self.labels[index]), "index": torch.from_numpy(np.asarray(index, dtype=np.int64)),
-               "pass": torch.full((b,), pass_no, dtype=torch.long), "upstream": torch.full((b,), upstream, dtype=torch.long)}
+               "pass": torch.full((b,), pass_no, dtype=torch.long),
+               "upstream": torch.full((b,), upstream, dtype=torch.long)}
         if self.augment:
             draws = draw_augmentation_np(np.random.default_rng([seed, upstream]), b, p, self.cutout, self.flip, s)
             x = np.empty((b, s, s, 3), dtype=np.float32)
@@ -355,9 +365,10 @@ class LoaderStream:
 
     Augmentation matches the device pipeline's definition (crop with offsets 0..2*pad from the reflect-padded
     image, horizontal flip, cutout square inside the crop); flip="alternate" is treated as random here.
-    Randomness comes from the run's generator: three seeds drawn from it at construction give the shuffles,
-    the per-job augmentation seeds (see LoaderDataset) and a host generator for echo repeats, the shuffle
-    buffer and the before-aug draws; the DataLoader's own generator (worker seeds) is seeded from it too.
+    Randomness comes from the run's generator: four seeds drawn from it at construction give the shuffles,
+    the per-job augmentation seeds (see LoaderDataset), the DataLoader's generator (worker seeds) and a host
+    generator for echo repeats, the shuffle buffer and the before-aug draws. The batches do not depend on the
+    number of workers, and every process under torchrun sees the same global batches.
 
     `fresh_read` counts the examples delivered by the DataLoader so far (whole upstream batches, including
     those waiting in the echo stage or the shuffle buffer); `passes` is the upstream pass of the latest
@@ -433,12 +444,12 @@ class LoaderStream:
             self._pull()
         refs = torch.tensor(self.ready[:self.bs])
         del self.ready[:self.bs]
-        us, rows = refs // self.bs, refs % self.bs
-        uniq = us.unique().tolist()
-        info = {k: torch.cat([self.chunks[u].info[k][rows[us == u]] for u in uniq])
-                for k in self.chunks[uniq[0]].info}
-        order = torch.cat([torch.nonzero(us == u).flatten() for u in uniq]).argsort()  # back to stream order
-        info = {k: v[order] for k, v in info.items()}
+        us, rows = refs // self.bs, refs % self.bs  # which upstream batch, which row of it
+        info = {}
+        for u in us.unique().tolist():
+            sel = us == u
+            for k, v in self.chunks[u].info.items():
+                info.setdefault(k, torch.empty(self.bs, dtype=v.dtype))[sel] = v[rows[sel]]
         if self.before_aug:  # every copy gets its own draws; "alternate" flips count as random
             info.update(tb.draw_augmentation(self.bs, self.cfg["pad"], self.cfg["cutout"],
                                              self.cfg.get("flip", "random") != "none", self.gen, torch.device("cpu")))

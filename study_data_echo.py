@@ -15,13 +15,16 @@ and "echoed data worth nothing" (baseline).
 
 The study also measures R = t_upstream / t_downstream for the chosen pipeline: t_upstream is the time per
 global batch the pipeline alone delivers (iterated without training, after a warm-up), t_downstream the time of
-a training step on a ready batch. Echoing can only speed wall-clock time up when R > 1, by at most min(e, R)
-(upstream and training overlapped, as with DataLoader workers) or (R + 1) / (R / e + 1) (one after the other,
-as in the device pipeline); the summary sets the measured wall-clock speed-up beside these bounds.
+a training step on a ready batch (measured once per output folder, kept in OUT/r.json). Echoing can only speed
+wall-clock time up when R > 1, by at most min(e, R) (upstream and training overlapped, as with DataLoader
+workers) or (R + 1) / (R / e + 1) (one after the other, as in the device pipeline); the summary sets the
+measured wall-clock speed-up beside these bounds.
 
 Budget: by default every run has the workload's schedule and step budget (same hyper-parameters, so an echo
 run that needs more steps than the budget is reported as not reaching the target). --budget fresh gives a run
-with factor e e times the steps (LR knots stretched alike), i.e. the same budget of fresh examples.
+with factor e e times the steps (LR knots and every other setting in epochs stretched alike), i.e. the same
+budget of fresh examples. Runs are evaluated every `eval_every_steps` steps (the workload's; without TTA,
+outside the timer) and at every epoch end, so steps, fresh examples and time to target are resolved to that.
 """
 import argparse
 import ast
@@ -51,9 +54,9 @@ WORKLOADS = {
     "cpu": dict(preset="fast94", about="fast94 at widths 32/64/64, batch 512, 6 epochs, 80% without TTA",
                 overrides=dict(widths=(32, 64, 64), batch_size=512, epochs=6, lr_knots=(0, 1, 6),
                                lr_values=(0.3, 1.5, 0.1), whiten_bias_epochs=1, lookahead_start_epoch=1, tta=0,
-                               target=0.80)),
+                               target=0.80, eval_every_steps=24)),
     "gpu94": dict(preset="fast94", about="fast94 (9.9 epochs, TTA at the end) to 94%",
-                  overrides=dict(target=0.94)),
+                  overrides=dict(target=0.94, eval_every_steps=12)),
 }
 
 
@@ -158,34 +161,53 @@ def plan(modes, factors, seeds):
     return runs
 
 
-def one_run(args, workload, data, device, mode, factor, seed, log):
-    overrides = dict(workload["overrides"], **args.overrides)
+def stretch(preset, overrides, factor):
+    """The schedule made `factor` times longer: every setting counted in epochs (of examples trained on)."""
+    cfg = train_cifar.make_config(preset, **overrides)
+    out = dict(overrides, epochs=cfg["epochs"] * factor, lr_knots=tuple(k * factor for k in cfg["lr_knots"]),
+               warmup_epochs=cfg["warmup_epochs"] * factor, whiten_bias_epochs=cfg["whiten_bias_epochs"] * factor)
+    if cfg["lookahead_start_epoch"] >= 0:
+        out["lookahead_start_epoch"] = cfg["lookahead_start_epoch"] * factor
+    return out
+
+
+def study_overrides(args, workload):
+    """train_cifar options shared by every run of the study (and the R measurement)."""
+    overrides = dict(workload["overrides"], **args.overrides, pipeline=args.pipeline,
+                     echo_shuffle_buffer=args.echo_shuffle_buffer)
     if args.target is not None:
         overrides["target"] = args.target
+    if args.loader_workers is not None:
+        overrides["loader_workers"] = args.loader_workers
+    return overrides
+
+
+def one_run(args, workload, data, device, mode, factor, seed, log):
+    overrides = dict(study_overrides(args, workload), echo=mode, echo_factor=factor)
     if args.budget == "fresh" and factor != 1:
-        epochs = overrides.get("epochs", train_cifar.PRESETS[workload["preset"]]["epochs"])
-        knots = overrides.get("lr_knots", train_cifar.PRESETS[workload["preset"]]["lr_knots"])
-        overrides.update(epochs=epochs * factor, lr_knots=tuple(k * factor for k in knots))
-    cfg = train_cifar.make_config(workload["preset"], **overrides, pipeline=args.pipeline, echo=mode,
-                                  echo_factor=factor, echo_shuffle_buffer=args.echo_shuffle_buffer,
-                                  **({"loader_workers": args.loader_workers} if args.loader_workers is not None else {}))
+        overrides = stretch(workload["preset"], overrides, factor)
+    cfg = train_cifar.make_config(workload["preset"], **overrides)
     rec = dict(workload=args.workload, pipeline=args.pipeline, mode=mode, factor=factor, seed=seed,
                target=cfg["target"], reached=False, diverged=False)
     t = time.perf_counter()
     try:
-        s = train_cifar.train(workload["preset"], data=data, device=device, log=log, log_dir=None, runs=1, seed=seed,
-                              stop_at_target=True, **{k: v for k, v in cfg.items() if k not in ("preset", "runs", "seed", "stop_at_target")})
+        s = train_cifar.train(workload["preset"], data=data, device=device, log=log, log_dir=None, runs=1,
+                              seed=seed, stop_at_target=True, **overrides)
         run = s["runs"][0]
         per_epoch = train_cifar.steps_per_epoch(cfg, len(data["train_y"]))
         total_steps = math.ceil(per_epoch * cfg["epochs"])
         ep = run["epoch_reached_target"]
-        steps = min(ep * per_epoch, total_steps) if ep is not None else None
-        rec.update(reached=ep is not None, fresh_to_target=run["fresh_to_target"], epochs_to_target=ep,
-                   steps_to_target=steps, examples_to_target=steps * cfg["batch_size"] if steps else None,
+        steps = run.get("step_reached_target")  # set when a step-interval evaluation (eval_every_steps) hit it
+        if steps is None and ep is not None:  # else: at the end of epoch ep
+            steps = min(ep * per_epoch, total_steps)
+        rec.update(reached=ep is not None or steps is not None, fresh_to_target=run["fresh_to_target"],
+                   steps_to_target=steps, epochs_to_target=steps / per_epoch if steps is not None else None,
+                   examples_to_target=steps * cfg["batch_size"] if steps is not None else None,
                    time_to_target_s=run["time_to_target_s"], accuracy=run["accuracy"],
                    epochs_run=len(run["epochs"]), total_time_s=run["total_time_s"],
                    final_fresh=run["epochs"][-1]["fresh"],
                    test_acc_by_epoch=[r["test_acc"] for r in run["epochs"]],
+                   evals=[[e["step"], e["fresh"], e["test_acc"]] for e in run.get("evals", [])],  # step, fresh, acc
                    hardware=s["hardware"], precision=s["precision"], commit=s["commit"])
     except train_cifar.Diverged as e:
         rec.update(diverged=True, error=str(e))
@@ -232,7 +254,8 @@ def write_summary(out, rows, meta):
     with open(os.path.join(out, "summary.tsv.tmp"), "w") as f:
         f.write("\t".join(SUMMARY_COLUMNS) + "\n")
         for row in rows:
-            f.write("\t".join(f"{row[c]:.6g}" if isinstance(row[c], float) else str(row[c]) for c in SUMMARY_COLUMNS) + "\n")
+            cells = (f"{row[c]:.6g}" if isinstance(row[c], float) else str(row[c]) for c in SUMMARY_COLUMNS)
+            f.write("\t".join(cells) + "\n")
     os.replace(os.path.join(out, "summary.tsv.tmp"), os.path.join(out, "summary.tsv"))
     core.write_json_atomic(os.path.join(out, "summary.json"), dict(meta, rows=rows))
 
@@ -242,8 +265,9 @@ def print_summary(rows, r_info, log=print):
         f"{'fresh x':>8} {'time x':>7} {'min(e,R)':>8} {'ideal x':>8}")
     for row in rows:
         log(f"{row['mode']:>18} {row['factor']:>4g} {row['n_reached']:>2}/{row['n']:<2} "
-            f"{row['fresh_mean']:>12.0f} ± {row['fresh_std']:<6.0f} {row['time_mean_s']:>10.1f} ± {row['time_std_s']:<6.1f} "
-            f"{row['fresh_speedup']:>8.2f} {row['time_speedup']:>7.2f} {row['min_e_R']:>8.2f} {row['ideal_time_speedup']:>8.2f}")
+            f"{row['fresh_mean']:>12.0f} ± {row['fresh_std']:<6.0f} "
+            f"{row['time_mean_s']:>10.1f} ± {row['time_std_s']:<6.1f} {row['fresh_speedup']:>8.2f} "
+            f"{row['time_speedup']:>7.2f} {row['min_e_R']:>8.2f} {row['ideal_time_speedup']:>8.2f}")
     if r_info:
         log(f"R = {r_info['R']:.3f}: " + ("the pipeline is the bottleneck, echoing can save wall-clock time"
                                           if r_info["R"] > 1 else
@@ -269,7 +293,7 @@ def plot(out, rows, title):
         if pts:
             ax.errorbar([p["factor"] for p in pts], [p["fresh_mean"] for p in pts], yerr=[p["fresh_std"] for p in pts],
                         marker="o", capsize=3, label=mode)
-            ax2.errorbar([p["factor"] for p in pts], [p["time_speedup"] for p in pts], marker="o", capsize=3, label=mode)
+            ax2.plot([p["factor"] for p in pts], [p["time_speedup"] for p in pts], marker="o", label=mode)
     if base and base["n_reached"] and len(rows) == 1:
         ax.errorbar([1], [base["fresh_mean"]], yerr=[base["fresh_std"]], marker="o", capsize=3, label="no echo")
     r_rows = sorted({(r["factor"], r["min_e_R"], r["ideal_time_speedup"]) for r in rows})
@@ -277,7 +301,8 @@ def plot(out, rows, title):
         ax2.plot([f for f, _, _ in r_rows], [max(1.0, m) for _, m, _ in r_rows], "k--", lw=1, label="max(1, min(e, R))")
         ax2.plot([f for f, _, _ in r_rows], [i for _, _, i in r_rows], "k:", lw=1, label="ideal for this pipeline")
     ax.set(xlabel="echo factor e", ylabel="fresh examples to target", title=title, xticks=factors)
-    ax2.set(xlabel="echo factor e", ylabel="wall-clock speed-up to target", title="wall-clock vs baseline", xticks=factors)
+    ax2.set(xlabel="echo factor e", ylabel="wall-clock speed-up to target", title="wall-clock vs baseline",
+            xticks=factors)
     for a in (ax, ax2):
         a.grid(alpha=0.3)
         if a.get_legend_handles_labels()[0]:
@@ -307,12 +332,14 @@ def parse_set(items):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()), epilog=__doc__.split("\n\n", 1)[1],
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),
+                                epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="cpu", choices=list(WORKLOADS),
                    help="; ".join(f"{k}: {w['about']}" for k, w in WORKLOADS.items()).replace("%", "%%"))
     p.add_argument("--pipeline", default="device", choices=["device", "loader"])
-    p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), choices=[m for m in pipeline.ECHO_MODES if m != "none"])
+    p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES),
+                   choices=[m for m in pipeline.ECHO_MODES if m != "none"])
     p.add_argument("--factors", nargs="+", type=float, default=[1, 2, 4], help="echo factors (1: the baseline)")
     p.add_argument("--seeds", type=int, default=3, help="number of seeds, from --seed0")
     p.add_argument("--seed0", type=int, default=0)
@@ -329,7 +356,8 @@ def parse_args(argv):
     p.add_argument("--device", default=None)
     p.add_argument("--out", default=None, help="output folder (default logs/echo-<workload>-<pipeline>)")
     p.add_argument("--r-batches", type=int, default=10, help="timed batches for t_upstream and t_downstream")
-    p.add_argument("--no-r", action="store_true", help="skip measuring R (reuse the one in OUT/summary.json)")
+    p.add_argument("--no-r", action="store_true", help="do not measure R (an R already in OUT/r.json is still used)")
+    p.add_argument("--remeasure-r", action="store_true", help="measure R again although OUT/r.json has it")
     p.add_argument("--verbose", action="store_true", help="print every run's per-epoch table")
     args = p.parse_args(argv)
     if any(f < 1 for f in args.factors) or args.seeds < 1:
@@ -345,7 +373,8 @@ def parse_args(argv):
     args.settings = dict(workload=args.workload, pipeline=args.pipeline, target=args.target, budget=args.budget,
                          echo_shuffle_buffer=args.echo_shuffle_buffer, loader_workers=args.loader_workers,
                          train_subset=args.train_subset,
-                         overrides={k: list(v) if isinstance(v, tuple) else v for k, v in sorted(args.overrides.items())})
+                         overrides={k: list(v) if isinstance(v, tuple) else v
+                                    for k, v in sorted(args.overrides.items())})
     return p, args
 
 
@@ -379,26 +408,24 @@ def main(argv=None):
     if args.train_subset:  # a random subset: the training set is sorted by class
         keep = np.random.default_rng(0).permutation(len(data["train_y"]))[:args.train_subset]
         data = dict(data, train_x=data["train_x"][keep], train_y=data["train_y"][keep])
-    overrides = dict(workload["overrides"], **args.overrides, pipeline=args.pipeline)
-    if args.target is not None:
-        overrides["target"] = args.target
-    if args.loader_workers is not None:
-        overrides["loader_workers"] = args.loader_workers
+    overrides = study_overrides(args, workload)
     cfg = train_cifar.make_config(workload["preset"], **overrides)
     if args.pipeline == "loader":  # encode once here, so no run's timer pays for it (the cache is per array)
         t = time.perf_counter()
         pipeline.encode_pngs(data["train_x"])
         print(f"PNG-encoded {len(data['train_x'])} training images in {time.perf_counter() - t:.1f} s", flush=True)
 
-    summary_path = os.path.join(args.out, "summary.json")
+    summary_path, r_path = os.path.join(args.out, "summary.json"), os.path.join(args.out, "r.json")
     r_info = None
-    if args.no_r:
-        if os.path.exists(summary_path):
-            with open(summary_path) as f:
-                r_info = json.load(f).get("r")
-    else:
+    if os.path.exists(r_path) and not args.remeasure_r:  # one R per study, so a resumed study keeps its own
+        with open(r_path) as f:
+            r_info = json.load(f)
+        print(f"R = {r_info['R']:.3f} (measured {r_info.get('measured', '?')}, from {r_path}; --remeasure-r to redo)")
+    elif not args.no_r:
         r_info = measure_r(workload["preset"], overrides, data, device, batches=args.r_batches,
                            log=lambda m: print(m, flush=True))
+        r_info["measured"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        core.write_json_atomic(r_path, r_info)
 
     def finish(status):
         records_now = [r for r in read_results(results_path) if r.get("settings") == args.settings]
@@ -421,9 +448,11 @@ def main(argv=None):
             append_result(results_path, rec)
             walls.append(rec["wall_s"])
             eta = sum(walls) / len(walls) * (len(todo) - i)
-            what = (f"reached at epoch {rec['epochs_to_target']}, fresh {rec['fresh_to_target']:,}, "
-                    f"{rec['time_to_target_s']:.1f} s to target" if rec["reached"]
-                    else "DIVERGED" if rec["diverged"] else f"did not reach {rec['target']:g} (acc {rec['accuracy']:.4f})")
+            if rec["reached"]:
+                what = (f"reached at step {rec['steps_to_target']} (epoch {rec['epochs_to_target']:.2f}), "
+                        f"fresh {rec['fresh_to_target']:,}, {rec['time_to_target_s']:.1f} s to target")
+            else:
+                what = "DIVERGED" if rec["diverged"] else f"did not reach {rec['target']:g} (acc {rec['accuracy']:.4f})"
             print(f"[{i}/{len(todo)}] {mode:>18} e={factor:<4g} seed {seed}: {what} (run {rec['wall_s']:.0f} s) | "
                   f"elapsed {fmt_duration(time.perf_counter() - t0)}, ETA {fmt_duration(eta)}", flush=True)
     except KeyboardInterrupt:

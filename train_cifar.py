@@ -450,11 +450,14 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
                     test_x=data["train_x"][held], test_y=data["train_y"][held])
     if checkpoint and cfg["runs"] != 1:
         raise ValueError("--checkpoint resumes a single run; use it with --runs 1")
+    if checkpoint and cfg["pipeline"] == "loader":
+        raise ValueError("--checkpoint is not supported with --pipeline loader")
     if cfg["batch_size"] > len(data["train_y"]):
         raise ValueError(f"batch size {cfg['batch_size']} exceeds the {len(data['train_y'])} training images")
     on_device = tb.to_device(data, device, tb.DTYPES[precision], pad=cfg["pad"])
     if cfg["pipeline"] == "loader":  # the loader pipeline starts from the encoded images, not the tensors
         on_device.update(raw_train_x=data["train_x"], raw_train_y=data["train_y"])
+        pipeline.encode_pngs(data["train_x"])  # once, outside the timer (cached per array)
     hardware, commit = tb.device_name(device), core.git_commit()  # the code as it was when the run started
     if world > 1:
         hardware = f"{world} processes x {hardware}"

@@ -47,10 +47,12 @@ def test_png_round_trip_is_exact(cifar10):
         assert decoded.dtype == np.uint8 and np.array_equal(decoded, images)
 
 
-def test_encoding_is_done_once_per_array():
+def test_encoding_is_done_once_per_data_set():
     a, b = synthetic(n_train=20)["train_x"], synthetic(n_train=20, seed=1)["train_x"]
     assert pipeline.encode_pngs(a) is pipeline.encode_pngs(a)
+    assert pipeline.encode_pngs(a.copy()) is pipeline.encode_pngs(a)  # the same pixels in another array
     assert pipeline.encode_pngs(b) is not pipeline.encode_pngs(a)
+    assert pipeline.encode_pngs(a[:10]) is not pipeline.encode_pngs(a)
 
 
 @pytest.mark.parametrize("size, pad", [(32, 0), (32, 2), (32, 4), (32, 16), (5, 3)])

@@ -1,0 +1,88 @@
+"""study_data_echo.py: the run plan, resume from the JSONL log, the summary's statistics and bounds, and one tiny
+end-to-end study on synthetic data run twice (the second run resumes and trains nothing)."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+import study_data_echo as study
+from conftest import synthetic
+
+
+def test_plan_runs_the_baseline_once_per_seed():
+    runs = study.plan(["batch", "example-after-aug"], [1, 2, 4], [0, 1])
+    assert runs[:5] == [("none", 1.0, 0), ("batch", 2.0, 0), ("batch", 4.0, 0), ("example-after-aug", 2.0, 0),
+                        ("example-after-aug", 4.0, 0)]
+    assert len(runs) == 10 and sum(m == "none" for m, _, _ in runs) == 2
+
+
+def test_results_survive_a_line_cut_short(tmp_path, capsys):
+    path = str(tmp_path / "results.jsonl")
+    rec = dict(workload="cpu", pipeline="device", mode="batch", factor=2.0, seed=0)
+    study.append_result(path, rec)
+    with open(path, "a") as f:
+        f.write('{"workload": "cpu", "pipel')  # a crash in the middle of a write
+    assert study.read_results(path) == [rec]
+    assert "not a complete record" in capsys.readouterr().err
+
+
+def test_fresh_budget_stretches_everything_counted_in_epochs():
+    out = study.stretch("fast94", dict(epochs=6, lr_knots=(0, 1, 6), lr_values=(0.3, 1.5, 0.1),
+                                       whiten_bias_epochs=1, lookahead_start_epoch=1), 2)
+    assert out["epochs"] == 12 and out["lr_knots"] == (0, 2, 12) and out["lr_values"] == (0.3, 1.5, 0.1)
+    assert out["whiten_bias_epochs"] == 2 and out["lookahead_start_epoch"] == 2
+    assert study.stretch("fast94", dict(lookahead_start_epoch=-1), 3)["lookahead_start_epoch"] == -1
+
+
+def test_ideal_speedup_bounds():
+    assert study.ideal_speedup(4, 0.5, overlap=True) == 1.0  # training-bound: nothing to gain
+    assert study.ideal_speedup(2, 3.0, overlap=True) == 2.0  # min(e, R)
+    assert study.ideal_speedup(4, 3.0, overlap=True) == 3.0
+    assert study.ideal_speedup(2, 1.0, overlap=False) == pytest.approx(2 / 1.5)  # (R + 1) / (R / e + 1)
+
+
+def rec(mode, factor, seed, fresh, time_s, reached=True):
+    return dict(mode=mode, factor=factor, seed=seed, reached=reached, fresh_to_target=fresh if reached else None,
+                time_to_target_s=time_s if reached else None, steps_to_target=100 if reached else None)
+
+
+def test_summary_statistics_and_speedups():
+    records = [rec("none", 1.0, 0, 1000, 10.0), rec("none", 1.0, 1, 1200, 12.0),
+               rec("batch", 2.0, 0, 600, 8.0), rec("batch", 2.0, 1, 500, 14.0),
+               rec("batch", 2.0, 2, 0, 0, reached=False)]
+    rows = {(r["mode"], r["factor"]): r for r in study.summarise(records, dict(R=3.0), overlap=True)}
+    base, echo = rows[("none", 1.0)], rows[("batch", 2.0)]
+    assert base["fresh_mean"] == 1100 and base["fresh_std"] == pytest.approx(math.sqrt(2e4))
+    assert (echo["n"], echo["n_reached"], echo["fresh_mean"]) == (3, 2, 550)
+    assert echo["fresh_speedup"] == pytest.approx(2.0) and echo["time_speedup"] == pytest.approx(1.0)
+    assert echo["min_e_R"] == 2.0 and echo["ideal_time_speedup"] == 2.0
+    no_r = study.summarise(records, None, overlap=True)
+    assert all(math.isnan(r["min_e_R"]) for r in no_r)
+
+
+def test_tiny_study_writes_everything_and_resumes(tmp_path, capsys):
+    data = str(tmp_path / "tiny.npz")
+    np.savez(data, **synthetic(n_train=200, n_test=50))
+    out = tmp_path / "out"
+    argv = ["--data", data, "--out", str(out), "--seeds", "1", "--factors", "1", "2", "--modes", "batch",
+            "--target", "0.01", "--r-batches", "2", "--set", "batch_size=50", "--set", "epochs=1",
+            "--set", "widths=(8,16,16)", "--set", "eval_every_steps=2", "--set", "precision=fp32"]
+    study.main(argv)
+    first = capsys.readouterr().out
+    assert "[2/2]" in first and "ETA" in first and "R = " in first
+    lines = (out / "results.jsonl").read_text().splitlines()
+    assert [json.loads(l)["mode"] for l in lines] == ["none", "batch"]
+    runs = [json.loads(l) for l in lines]
+    assert all(r["reached"] and r["steps_to_target"] == 2 for r in runs)  # the first step-interval evaluation
+    assert [r["fresh_to_target"] for r in runs] == [100, 50]  # 2 steps of 50; batch echo 2 read one batch
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["r"]["R"] > 0 and len(summary["rows"]) == 2
+    assert (out / "summary.tsv").exists() and (out / "echo_study.png").stat().st_size > 0
+    study.main(argv)  # resumes: nothing left to train, R read back
+    second = capsys.readouterr().out
+    assert "2 run(s) already" in second and "0 to go" in second and "[1/" not in second
+    assert len((out / "results.jsonl").read_text().splitlines()) == 2
+    with pytest.raises(SystemExit) as e:  # other settings in the same folder are refused
+        study.main(argv[:-1] + ["precision=auto"])
+    assert e.value.code == 2
