@@ -1,0 +1,797 @@
+"""Batch-size scaling study (Shallue et al. 2018, "Measuring the Effects of Data Parallelism on Neural Network
+Training"): steps to a target accuracy against the batch size, every batch size with its own metaparameter search.
+
+    python study_batch_size.py run --workload cpu --optimizer nesterov --batch-sizes 16 32 64 128 256 512 1024 2048 \\
+        --trials 8 --data cifar10.npz                                   # logs/batch-size-cpu-nesterov/
+    python study_batch_size.py run --workload gpu94 --optimizer momentum --data cifar10.npz
+    python study_batch_size.py run --workload cpu --optimizer lars --dry-run   # print the trials, train nothing
+    python study_batch_size.py plot logs/batch-size-cpu-sgd logs/batch-size-cpu-nesterov --out logs/batch-size-cpu
+
+Per batch size, `--trials` trials draw their metaparameters from a scrambled Halton sequence (the same unit-cube
+points at every batch size). Each trial trains until the held-out (default) or test accuracy, evaluated every
+few steps, reaches the target, or until its step budget runs out. Steps to target at a batch size are the best
+trial's. Trials run trial-major (trial 0 at every batch size, then trial 1, ...), so an early stop already
+gives a rough curve. A resumed study must use the same settings (workload, optimizer, target, budget, search
+space, seed, --set); more batch sizes or trials may be added. Cost: a full cpu study (8 batch sizes x 8 trials)
+is estimated at 1-2 hours on an idle 2-core CPU (trials that miss the target run their whole budget).
+
+Output in OUT (default logs/batch-size-<workload>-<optimizer>/):
+    trials.jsonl     one line per finished trial, appended and fsynced at once; run the same command again to
+                     resume (finished trials are skipped, a torn last line from a crash is dropped)
+    summary.tsv/json per batch size: best steps to target, its metaparameters, trials reaching the target;
+                     the regimes and the learning-rate trend
+    steps_to_target.png, best_lr.png
+
+Regimes (analyse()): the ideal line is steps = s0 * b0 / b through the smallest batch size that reached the
+target. Perfect scaling lasts while the best steps stay within PERFECT_TOL above that line. The maximal useful
+batch size is the smallest b beyond which no larger batch size cuts steps by USEFUL_TOL or more per doubling;
+between the two lies the region of diminishing returns.
+"""
+import argparse
+import ast
+import collections
+import dataclasses
+import datetime
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+# ---------------------------------------------------------------------------------------------------------------
+# Workloads. A workload is a train_cifar preset with fixed overrides, a target, an evaluation split and a step
+# budget. Only the optimizer, its metaparameters and the LR schedule vary between trials. Lookahead is off so
+# that the optimizer under study is the only one; TTA is off because step evaluations run without it.
+#
+# Step budget: max(ceil(epochs * steps_per_epoch(b)), min_steps). In epochs at small batches (steps to target
+# fall as 1/b there), but never fewer than min_steps, so large batches, which need more epochs, can still reach
+# the target. The eval interval is budget // evals_per_trial steps (at least 1): every trial has about that many
+# evaluations over its full budget, so steps to target are resolved to ~1/evals_per_trial of the budget.
+
+WORKLOADS = {
+    # Calibration (2-thread AMD EPYC, bf16, shared with a long training run, so slower than alone): at batch
+    # 256, Nesterov, lr_eff 3, momentum 0.85, the holdout accuracy was 36% after 0.25 epochs, 46% after 0.5 and
+    # 58% after 0.82 (LR still high); an epoch took 33-88 s under that load and a 5000-image evaluation 0.4-1.7 s.
+    # So 65% should take a good trial at mid batch sizes about 1.5 epochs (an estimate: about a minute on an idle
+    # CPU, not measured); 20 evaluations per budget keep their cost to ~20% of a trial.
+    "cpu": dict(preset="fast94", about="fast94 net at widths 16/32/32, 65% on a 5000-image holdout",
+                eval="holdout", holdout=5000, target=0.65, epochs=4.0, min_steps=200, evals_per_trial=20,
+                batch_sizes=(16, 32, 64, 128, 256, 512, 1024, 2048),
+                overrides=dict(widths=(16, 32, 32), tta=0, lookahead_start_epoch=-1)),
+    # Uncalibrated (no GPU was available): fast94 to 94% on the test set without TTA and lookahead, so the
+    # budget is twice the record's 9.9 epochs.
+    "gpu94": dict(preset="fast94", about="fast94 to 94% on the test set (no TTA, no lookahead)",
+                  eval="test", holdout=0, target=0.94, epochs=20.0, min_steps=500, evals_per_trial=50,
+                  batch_sizes=(64, 128, 256, 512, 1024, 2048, 4096, 8192),
+                  overrides=dict(tta=0, lookahead_start_epoch=-1)),
+}
+
+# Search space: (low, high, scale) of each metaparameter, sampled from the unit cube. Each has a fixed Halton
+# coordinate, so trial i of every optimizer shares its learning rate, warm-up and decay (common random numbers).
+SEARCH_SPACE = {
+    # Effective LR lr / (1 - momentum) (Shallue et al. sec. 4.7; = lr for plain SGD) at LR_REFERENCE_BATCH.
+    "lr_eff": (0.3, 30.0, "log"),
+    "one_minus_momentum": (0.02, 0.5, "log"),   # momentum 0.5 ... 0.98 (momentum optimizers)
+    "warmup_frac": (0.0, 0.2, "linear"),       # linear warm-up from 0 over this fraction of the step budget,
+    "decay_to": (0.01, 0.3, "log"),             # then linear decay to this fraction of the peak at the budget's end
+    "trust": (0.001, 0.02, "log"),              # LARS trust coefficient (relative step of a layer ~ lr * trust)
+}
+# The LR window slides with the batch size: lr_eff range * (b / LR_REFERENCE_BATCH) ** LR_WINDOW_EXPONENT.
+# 0.75 lies halfway between the square-root and linear rules, so over 16 ... 2048 neither rule's optimum sits near
+# an edge of the two-decade window. Caveat: where the optimum is flat, the best trial's LR follows the window and
+# the fitted LR slope is pulled towards 0.75; use --lr-window-exponent 0 (and a wider range) for a fixed window.
+LR_REFERENCE_BATCH = 256
+LR_WINDOW_EXPONENT = 0.75
+EDGE_FRACTION = 0.1  # a best LR in the outer 10% (log scale) of its window is flagged: widen the search space
+
+# Regime tolerances (see analyse()).
+PERFECT_TOL = 0.25   # perfect scaling: best steps at most 25% above the ideal line steps = s0 * b0 / b
+USEFUL_TOL = 0.10    # maximal useful batch: no larger batch cuts the steps by 10% or more per doubling
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+    """How a point of the search space becomes train_cifar options. lr is always lr_eff * (1 - momentum)."""
+    dims: tuple     # searched metaparameters (keys of SEARCH_SPACE)
+    options: object  # params -> train_cifar overrides (optimizer, momentum, nesterov, ...)
+    about: str
+
+
+def _momentum(p):
+    return 1.0 - p["one_minus_momentum"]
+
+
+SCHEDULE_DIMS = ("lr_eff", "warmup_frac", "decay_to")
+OPTIMIZERS = {
+    "sgd": Optimizer(SCHEDULE_DIMS, lambda p: dict(optimizer="sgd", momentum=0.0, nesterov=False),
+                     "plain SGD (momentum 0)"),
+    "momentum": Optimizer(SCHEDULE_DIMS + ("one_minus_momentum",),
+                          lambda p: dict(optimizer="sgd", momentum=_momentum(p), nesterov=False),
+                          "heavy-ball momentum"),
+    "nesterov": Optimizer(SCHEDULE_DIMS + ("one_minus_momentum",),
+                          lambda p: dict(optimizer="sgd", momentum=_momentum(p), nesterov=True),
+                          "Nesterov momentum"),
+    "lars": Optimizer(SCHEDULE_DIMS + ("one_minus_momentum", "trust"),
+                      lambda p: dict(optimizer="lars", momentum=_momentum(p), nesterov=False,
+                                     trust_coefficient=p["trust"]),
+                      "LARS with heavy-ball momentum; BN parameters and biases take the plain lr"),
+}
+
+# ---------------------------------------------------------------------------------------------------------------
+# Scrambled Halton sequence
+
+
+def primes(n):
+    """The first n primes."""
+    out, k = [], 2
+    while len(out) < n:
+        if all(k % p for p in out if p * p <= k):
+            out.append(k)
+        k += 1
+    return out
+
+
+def scrambled_halton(n, d, seed=0):
+    """The first n points of the d-dimensional Halton sequence (coordinate j: radical inverse in the j-th prime),
+    every digit scrambled by a random permutation of 0..p-1 drawn per coordinate and digit position.
+
+    Low discrepancy: trials cover the space more evenly than random ones, so a budget of a few trials still
+    probes every part of the LR window. The plain sequence (seed=None) is correlated in high coordinates
+    and starts at 0; the digit permutations (Braaten & Weller 1979) remove both and keep each coordinate's
+    stratification (any p^k consecutive points hit every interval [i/p^k, (i+1)/p^k) once). Point i depends
+    only on (i, coordinate, seed), not on n or d, so a resumed or enlarged study draws the same trials."""
+    rng = np.random.default_rng(seed) if seed is not None else None
+    index = np.arange(n, dtype=np.int64)
+    out = np.empty((n, d))
+    for j, p in enumerate(primes(d)):
+        n_digits = math.ceil(53 / math.log2(p))  # double precision; fixed, so permutations do not depend on n
+        perms = [rng.permutation(p) if rng is not None else np.arange(p) for _ in range(n_digits)]
+        u, rest, scale = np.zeros(n), index.copy(), 1.0 / p
+        for k in range(n_digits):
+            u += perms[k][rest % p] * scale
+            rest //= p
+            scale /= p
+        out[:, j] = u
+    return np.minimum(out, np.nextafter(1.0, 0.0))
+
+
+def centered_l2_discrepancy(x):
+    """Hickernell's centred L2 discrepancy of points in [0, 1)^d (lower is more uniform)."""
+    x = np.asarray(x, float)
+    n, d = x.shape
+    a = np.abs(x - 0.5)
+    t1 = (13 / 12) ** d
+    t2 = np.prod(1 + 0.5 * a - 0.5 * a ** 2, axis=1).sum() * 2 / n
+    pair = 1 + 0.5 * a[:, None, :] + 0.5 * a[None, :, :] - 0.5 * np.abs(x[:, None, :] - x[None, :, :])
+    t3 = np.prod(pair, axis=2).sum() / n ** 2
+    return math.sqrt(max(t1 - t2 + t3, 0.0))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Trials: metaparameters, schedule, budget
+
+
+def lr_window(batch_size, space=SEARCH_SPACE, exponent=LR_WINDOW_EXPONENT, reference=LR_REFERENCE_BATCH):
+    lo, hi, _ = space["lr_eff"]
+    f = (batch_size / reference) ** exponent
+    return lo * f, hi * f
+
+
+def from_unit(u, low, high, scale):
+    return math.exp(math.log(low) + u * (math.log(high) - math.log(low))) if scale == "log" else low + u * (high - low)
+
+
+def sample_params(optimizer, trial, batch_size, seed=0, space=SEARCH_SPACE, exponent=LR_WINDOW_EXPONENT,
+                  reference=LR_REFERENCE_BATCH):
+    """Metaparameters of trial `trial` (0-based) at this batch size: point `trial` of the scrambled Halton
+    sequence, mapped through the optimizer's dimensions of the search space."""
+    u = scrambled_halton(trial + 1, len(space), seed)[trial]
+    coord = {name: float(u[i]) for i, name in enumerate(space)}
+    params = {}
+    for name in OPTIMIZERS[optimizer].dims:
+        low, high, scale = space[name]
+        if name == "lr_eff":
+            low, high = lr_window(batch_size, space, exponent, reference)
+        params[name] = from_unit(coord[name], low, high, scale)
+    options = OPTIMIZERS[optimizer].options(params)
+    params.update(momentum=options["momentum"], lr=params["lr_eff"] * (1 - options["momentum"]))
+    return params, options
+
+
+def lr_knots(params, budget_epochs):
+    """Piecewise-linear schedule in epochs: 0 -> lr over the warm-up, then linear to decay_to * lr at the end."""
+    lr, w = params["lr"], params["warmup_frac"] * budget_epochs
+    if w > 0:
+        return [0.0, w, budget_epochs], [0.0, lr, lr * params["decay_to"]]
+    return [0.0, budget_epochs], [lr, lr * params["decay_to"]]
+
+
+def budget_steps(batch_size, n_train, epochs, min_steps):
+    return max(math.ceil(epochs * (n_train // batch_size)), int(min_steps))
+
+
+def make_trial(settings, batch_size, trial, n_train):
+    """Everything one trial needs: its key, metaparameters, budget and the train_cifar options."""
+    per_epoch = n_train // batch_size
+    budget = budget_steps(batch_size, n_train, settings["epochs"], settings["min_steps"])
+    every = max(1, budget // settings["evals_per_trial"])
+    space = {k: tuple(v) for k, v in settings["search_space"].items()}
+    window = dict(exponent=settings["lr_window_exponent"], reference=settings["lr_reference_batch"])
+    params, options = sample_params(settings["optimizer"], trial, batch_size, settings["seed"], space, **window)
+    budget_epochs = budget / per_epoch
+    knots, values = lr_knots(params, budget_epochs)
+    train = dict(settings["overrides"], **options, batch_size=batch_size,
+                 epochs=(budget - 0.5) / per_epoch,  # the trainer runs ceil(epochs * per_epoch) = budget steps
+                 lr_knots=tuple(knots), lr_values=tuple(values), target=settings["target"], stop_at_target=True,
+                 eval_every=0, eval_every_steps=every, holdout=settings["holdout"], seed=settings["seed"] + trial,
+                 runs=1)
+    train = {k: tuple(v) if isinstance(v, list) else v for k, v in train.items()}
+    return dict(workload=settings["workload"], optimizer=settings["optimizer"], batch_size=batch_size, trial=trial,
+                params=params, budget_steps=budget, budget_epochs=budget_epochs, eval_every_steps=every,
+                lr_window=list(lr_window(batch_size, space, **window)), train=train)
+
+
+def plan(settings, batch_sizes, trials, n_train):
+    """Trial-major order: trial 0 at every batch size, then trial 1, ... (a partial study is a rough curve)."""
+    return [make_trial(settings, b, t, n_train) for t in range(trials) for b in sorted(batch_sizes)]
+
+
+def run_trial(spec, data, preset, device=None, log=lambda *a: None):
+    """One real trial through train_cifar.train; a diverged run is a record with diverged=True."""
+    import train_cifar
+    rec = {k: spec[k] for k in ("workload", "optimizer", "batch_size", "trial", "params", "budget_steps",
+                                "budget_epochs", "eval_every_steps", "lr_window")}
+    rec.update(reached=False, diverged=False, steps_to_target=None, examples_to_target=None)
+    t = time.perf_counter()
+    try:
+        s = train_cifar.train(preset, data=data, device=device, log=log, log_dir=None, **spec["train"])
+        run = s["runs"][0]
+        steps = run["step_reached_target"]
+        if steps is None and run["epoch_reached_target"] is not None:  # only the final evaluation reached it
+            steps = spec["budget_steps"]
+        accs = [e["test_acc"] for e in run["evals"]] + ([run["accuracy"]] if run["accuracy"] is not None else [])
+        rec.update(reached=steps is not None, steps_to_target=steps,
+                   examples_to_target=steps * spec["batch_size"] if steps is not None else None,
+                   last_eval_step=run["evals"][-1]["step"] if run["evals"] else None,
+                   best_acc=max(accs) if accs else None, final_acc=run["accuracy"],
+                   time_to_target_s=run["time_to_target_s"], train_time_s=run["total_time_s"],
+                   evals=[[e["step"], round(e["test_acc"], 5), round(e["train_loss"], 5)] for e in run["evals"]],
+                   hardware=s["hardware"], precision=s["precision"], commit=s["commit"])
+    except train_cifar.Diverged as e:
+        rec.update(diverged=True, error=str(e))
+    rec.update(wall_s=time.perf_counter() - t,
+               finished=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    return rec
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Trials file and the resumable runner
+
+
+class StudyError(ValueError):
+    pass
+
+
+def trial_key(rec):
+    return rec["workload"], rec["optimizer"], int(rec["batch_size"]), int(rec["trial"])
+
+
+def read_trials(path, repair=False, warn=lambda m: print(m, file=sys.stderr)):
+    """Records of trials.jsonl. A last line cut short by a crash is ignored (and cut off the file with
+    repair=True, so the next append starts a clean line); other malformed lines are skipped with a warning."""
+    if not os.path.exists(path):
+        return []
+    with open(path, "rb") as f:
+        raw = f.read()
+    records, lines = [], raw.split(b"\n")
+    tail = lines.pop()  # b"" when the file ends with a newline
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                warn(f"warning: {path}:{n} is not a complete record; ignored")
+    if tail.strip():
+        try:
+            records.append(json.loads(tail))
+            if repair:  # complete but unterminated: terminate it
+                with open(path, "ab") as f:
+                    f.write(b"\n")
+        except ValueError:
+            warn(f"warning: {path}: last line is torn (interrupted write); ignored")
+            if repair:
+                with open(path, "r+b") as f:
+                    f.truncate(len(raw) - len(tail))
+    return records
+
+
+def append_trial(path, rec):
+    """One write of one line, flushed and fsynced: a crash loses at most the trial in flight."""
+    with open(path, "a") as f:
+        f.write(json.dumps(rec, allow_nan=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fmt_duration(s):
+    s = int(round(s))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def describe_params(p):
+    bits = [f"lr_eff {p['lr_eff']:.3g}"] + ([f"m {p['momentum']:.3f}"] if p["momentum"] else [])
+    bits += [f"warm-up {p['warmup_frac']:.2f}", f"decay to {p['decay_to']:.3g}"]
+    return ", ".join(bits + ([f"trust {p['trust']:.3g}"] if "trust" in p else []))
+
+
+def describe(rec):
+    if rec.get("diverged"):
+        what = "DIVERGED"
+    elif rec.get("reached"):
+        what = f"target at step {rec['steps_to_target']}/{rec['budget_steps']}"
+    else:
+        acc = rec.get("best_acc")
+        what = f"not reached in {rec['budget_steps']} steps" + (f" (best acc {acc:.4f})" if acc is not None else "")
+    return f"b={rec['batch_size']:<5} trial {rec['trial']}: {describe_params(rec['params'])}: {what}"
+
+
+def run_study(specs, trial_fn, path, settings, log=print):
+    """Runs the specs whose key is not yet in `path`, appending each record as soon as it finishes; returns
+    all records. A KeyboardInterrupt loses only the trial in flight and propagates. Records made with other
+    settings are an error: a resumed study must measure the same thing."""
+    records = read_trials(path, repair=True)
+    other = [r for r in records if r.get("settings") != settings]
+    if other:
+        raise StudyError(f"{path} holds trials with other settings ({other[0].get('settings')}); use another --out")
+    done = {trial_key(r) for r in records}
+    todo = [s for s in specs if trial_key(s) not in done]
+    log(f"{len(done)} finished trial(s) in {path}, {len(todo)} to go")
+    t0, walls = time.perf_counter(), collections.defaultdict(list)
+    for i, spec in enumerate(todo, 1):
+        rec = dict(trial_fn(spec), settings=settings)
+        append_trial(path, rec)
+        records.append(rec)
+        walls[spec["batch_size"]].append(rec.get("wall_s", 0.0))
+        everything = [w for ws in walls.values() for w in ws]
+        eta = sum(np.mean(walls[s["batch_size"]]) if walls[s["batch_size"]] else np.mean(everything)
+                  for s in todo[i:])
+        log(f"[{i}/{len(todo)}] {describe(rec)} | {rec.get('wall_s', 0.0):.0f} s | "
+            f"elapsed {fmt_duration(time.perf_counter() - t0)}, ETA {fmt_duration(eta)}")
+    return records
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Analysis (pure)
+
+
+def best_per_batch(records):
+    """Per batch size: the best trial (fewest steps to target; ties to the higher accuracy) and counts."""
+    groups = collections.defaultdict(list)
+    for r in records:
+        groups[int(r["batch_size"])].append(r)
+    rows = []
+    for b in sorted(groups):
+        recs = sorted(groups[b], key=lambda r: r["trial"])
+        ok = [r for r in recs if r.get("reached")]
+        row = dict(batch_size=b, trials=len(recs), reached=len(ok), diverged=sum(bool(r.get("diverged")) for r in recs),
+                   budget_steps=max(r["budget_steps"] for r in recs), eval_every_steps=recs[0]["eval_every_steps"],
+                   best_steps=None, best_examples=None, best_trial=None)
+        if ok:
+            best = min(ok, key=lambda r: (r["steps_to_target"], -(r.get("best_acc") or 0), r["trial"]))
+            p = best["params"]
+            lo, hi = best["lr_window"]
+            pos = math.log(p["lr_eff"] / lo) / math.log(hi / lo) if hi > lo else 0.5
+            row.update(best_steps=best["steps_to_target"], best_examples=best["steps_to_target"] * b,
+                       best_trial=best["trial"], best_lr=p["lr"], best_lr_eff=p["lr_eff"], best_momentum=p["momentum"],
+                       best_warmup_frac=p["warmup_frac"], best_decay_to=p["decay_to"], best_trust=p.get("trust"),
+                       lr_window_lo=lo, lr_window_hi=hi,
+                       lr_at_edge=bool(pos < EDGE_FRACTION or pos > 1 - EDGE_FRACTION))
+        rows.append(row)
+    return rows
+
+
+def analyse(points, perfect_tol=PERFECT_TOL, useful_tol=USEFUL_TOL):
+    """Regimes of a steps-to-target curve. points: (batch_size, steps or None); None (target never reached)
+    counts as infinitely many steps.
+
+    ideal: steps = s0 * b0 / b through the smallest batch size b0 that reached the target.
+    perfect_end: the largest b such that every batch size from b0 to b needs at most (1 + perfect_tol) x ideal.
+    max_useful: the smallest b such that every larger b' cuts steps by less than useful_tol per doubling,
+        s(b') > s(b) * (1 - useful_tol) ** log2(b' / b); a noisy point in the middle does not end the search while
+        larger batches still pay off. At least perfect_end. beyond_range: max_useful is the largest batch size
+        that reached the target and nothing larger was measured, i.e. the curve was not seen to flatten.
+    diminishing: the batch sizes in (perfect_end, max_useful]."""
+    pts = sorted((int(b), math.inf if s is None else float(s)) for b, s in points)
+    finite = [(b, s) for b, s in pts if math.isfinite(s)]
+    result = dict(perfect_tol=perfect_tol, useful_tol=useful_tol, anchor=None, perfect_end=None, max_useful=None,
+                  beyond_range=None, diminishing=[], points=[])
+    if not finite:
+        result["points"] = [dict(batch_size=b, steps=None, regime="not reached") for b, _ in pts]
+        return result
+    b0, s0 = finite[0]
+    ideal = lambda b: s0 * b0 / b  # noqa: E731
+    later = [(b, s) for b, s in pts if b >= b0]
+    perfect_end = b0
+    for b, s in later[1:]:
+        if s > ideal(b) * (1 + perfect_tol):
+            break
+        perfect_end = b
+    max_useful = finite[-1][0]
+    for i, (b, s) in enumerate(later):
+        if math.isfinite(s) and all(s2 > s * (1 - useful_tol) ** math.log2(b2 / b) for b2, s2 in later[i + 1:]):
+            max_useful = b
+            break
+    max_useful = max(max_useful, perfect_end)
+    result.update(anchor=[b0, s0], perfect_end=perfect_end, max_useful=max_useful,
+                  beyond_range=max_useful == pts[-1][0],
+                  diminishing=[b for b, _ in pts if perfect_end < b <= max_useful])
+    prev = None
+    for b, s in pts:
+        regime = ("not reached" if not math.isfinite(s) else "before anchor" if b < b0 else
+                  "perfect" if b <= perfect_end else "diminishing" if b <= max_useful else "beyond max useful")
+        cut = None
+        if prev is not None and math.isfinite(s) and b > prev[0]:  # steps cut per doubling since the last point
+            cut = 1 - (s / prev[1]) ** (1 / math.log2(b / prev[0]))
+        result["points"].append(dict(batch_size=b, steps=s if math.isfinite(s) else None,
+                                     ideal_steps=ideal(b), steps_over_ideal=s / ideal(b) if math.isfinite(s) else None,
+                                     cut_per_doubling=cut, regime=regime))
+        if math.isfinite(s):
+            prev = (b, s)
+    return result
+
+
+def lr_trend(batch_sizes, lrs):
+    """Least-squares slope of log(best lr) against log(batch size), its standard error, and which scaling rule
+    it is closer to: 1 (linear, Goyal et al. 2017) or 0.5 (square root, Krizhevsky 2014)."""
+    pts = [(b, lr) for b, lr in zip(batch_sizes, lrs) if lr is not None and lr > 0]
+    if len(pts) < 2:
+        return dict(n=len(pts), slope=None, stderr=None, intercept=None, closer_to=None)
+    x, y = np.log([b for b, _ in pts]), np.log([lr for _, lr in pts])
+    slope, intercept = np.polyfit(x, y, 1)
+    stderr = None
+    if len(pts) > 2:
+        resid = y - (slope * x + intercept)
+        stderr = float(math.sqrt(resid @ resid / (len(pts) - 2) / ((x - x.mean()) @ (x - x.mean()))))
+    closer = "linear (1)" if abs(slope - 1) < abs(slope - 0.5) else "square root (0.5)"
+    return dict(n=len(pts), slope=float(slope), stderr=stderr, intercept=float(intercept), closer_to=closer)
+
+
+def summarise(records):
+    """Rows per batch size, regimes of the best-steps curve and the LR trends (all points, perfect region)."""
+    rows = best_per_batch(records)
+    regimes = analyse([(r["batch_size"], r["best_steps"]) for r in rows])
+    by_b = {p["batch_size"]: p for p in regimes["points"]}
+    for r in rows:
+        p = by_b[r["batch_size"]]
+        r.update(ideal_steps=p.get("ideal_steps"), steps_over_ideal=p.get("steps_over_ideal"), regime=p["regime"])
+    bs, lrs = [r["batch_size"] for r in rows], [r.get("best_lr_eff") for r in rows]
+    trend = dict(all=lr_trend(bs, lrs))
+    if regimes["perfect_end"] is not None:
+        keep = [(b, lr) for b, lr in zip(bs, lrs) if b <= regimes["perfect_end"]]
+        trend["perfect_scaling"] = lr_trend([b for b, _ in keep], [lr for _, lr in keep])
+    return rows, regimes, trend
+
+
+SUMMARY_COLUMNS = ["batch_size", "trials", "reached", "diverged", "budget_steps", "eval_every_steps", "best_steps",
+                   "best_examples", "ideal_steps", "steps_over_ideal", "regime", "best_trial", "best_lr",
+                   "best_lr_eff", "best_momentum", "best_warmup_frac", "best_decay_to", "best_trust", "lr_at_edge"]
+
+
+def fmt_cell(v):
+    return "" if v is None else f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
+def write_summary(out, settings, records, status):
+    rows, regimes, trend = summarise(records)
+    tmp = os.path.join(out, "summary.tsv.tmp")
+    with open(tmp, "w") as f:
+        f.write("\t".join(SUMMARY_COLUMNS) + "\n")
+        for r in rows:
+            f.write("\t".join(fmt_cell(r.get(c)) for c in SUMMARY_COLUMNS) + "\n")
+    os.replace(tmp, os.path.join(out, "summary.tsv"))
+    import core
+    core.write_json_atomic(os.path.join(out, "summary.json"), dict(
+        settings=settings, status=status, trials=len(records), rows=rows, regimes=regimes, lr_trend=trend,
+        written=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        note="best_steps: fewest steps to target over the trials at that batch size; lr_eff = lr / (1 - momentum)"))
+    return rows, regimes, trend
+
+
+def report(rows, regimes, trend, log=print):
+    log(f"{'batch':>6} {'reached':>8} {'best steps':>10} {'x ideal':>8} {'lr_eff':>8} {'lr':>8} {'momentum':>8}  regime")
+    for r in rows:
+        edge = " (LR at window edge)" if r.get("lr_at_edge") else ""
+        steps = f"{r['best_steps']}" if r["best_steps"] is not None else f">{r['budget_steps']}"
+        ratio = f"{r['steps_over_ideal']:.2f}" if r.get("steps_over_ideal") is not None else "-"
+        lr = lambda k: f"{r[k]:.3g}" if r.get(k) is not None else "-"  # noqa: E731
+        log(f"{r['batch_size']:>6} {r['reached']:>3}/{r['trials']:<4} {steps:>10} {ratio:>8} {lr('best_lr_eff'):>8} "
+            f"{lr('best_lr'):>8} {lr('best_momentum'):>8}  {r['regime']}{edge}")
+    if regimes["perfect_end"] is not None:
+        log(f"perfect scaling (within {regimes['perfect_tol']:.0%} of ideal) up to batch {regimes['perfect_end']}; "
+            f"maximal useful batch size {regimes['max_useful']}"
+            + (" (or larger: the curve did not flatten in the measured range)" if regimes["beyond_range"] else
+               f" (no larger batch cuts steps by {regimes['useful_tol']:.0%} per doubling)"))
+    for name, t in trend.items():
+        if t.get("slope") is not None:
+            se = f" ± {t['stderr']:.2f}" if t["stderr"] is not None else ""
+            log(f"best lr_eff ~ batch^{t['slope']:.2f}{se} over {t['n']} batch sizes ({name.replace('_', ' ')}): "
+                f"closer to {t['closer_to']}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Plots
+
+
+def plot(curves, out_dir):
+    """curves: (label, rows, regimes, trend). Writes steps_to_target.png and best_lr.png into out_dir."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, ax = plt.subplots(figsize=(7.5, 5.5))
+    all_b = sorted({r["batch_size"] for _, rows, _, _ in curves for r in rows})
+    for i, (label, rows, reg, _) in enumerate(curves):
+        c = colors[i % len(colors)]
+        ok = [r for r in rows if r["best_steps"] is not None]
+        ax.plot([r["batch_size"] for r in ok], [r["best_steps"] for r in ok], "o-", color=c, label=label)
+        missed = [r for r in rows if r["best_steps"] is None]
+        if missed:
+            ax.plot([r["batch_size"] for r in missed], [r["budget_steps"] for r in missed], "^", color=c, mfc="none",
+                    label=f"{label}: not reached (steps > budget)")
+        if reg["anchor"] is None:
+            continue
+        b0, s0 = reg["anchor"]
+        ax.plot(all_b, [s0 * b0 / b for b in all_b], "--", color=c, lw=1, alpha=0.7,
+                label="perfect scaling (ideal 1/b)" if i == 0 else None)
+        steps = {r["batch_size"]: r["best_steps"] for r in ok}
+        ax.plot([reg["perfect_end"]], [steps[reg["perfect_end"]]], "s", ms=13, mfc="none", mec=c, mew=2,
+                label="end of perfect scaling" if i == 0 else None)
+        ax.plot([reg["max_useful"]], [steps[reg["max_useful"]]], "*", ms=16, color=c, mec="k",
+                label="maximal useful batch size" if i == 0 else None)
+        if len(curves) == 1:  # shade the regimes, boundaries halfway (in log) between measured batch sizes
+            def edge(b, side):
+                k = all_b.index(b)
+                nb = all_b[k + side] if 0 <= k + side < len(all_b) else b * 2.0 ** side
+                return math.sqrt(b * nb)
+            lo, hi = edge(all_b[0], -1), edge(all_b[-1], 1)
+            p_hi, m_hi = edge(reg["perfect_end"], 1), edge(reg["max_useful"], 1)
+            ax.axvspan(lo, p_hi, color="tab:green", alpha=0.08, label="perfect scaling region")
+            if m_hi > p_hi:
+                ax.axvspan(p_hi, m_hi, color="tab:orange", alpha=0.08, label="diminishing returns")
+            if hi > m_hi:
+                ax.axvspan(m_hi, hi, color="tab:red", alpha=0.08, label="beyond maximal useful batch")
+    ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="steps to target (best trial)",
+           title="steps to target vs batch size")
+    ax.set_xticks(all_b, [str(b) for b in all_b])
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    steps_png = os.path.join(out_dir, "steps_to_target.png")
+    fig.savefig(steps_png, dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7.5, 5.5))
+    anchor = None
+    for i, (label, rows, _, trend) in enumerate(curves):
+        c = colors[i % len(colors)]
+        ok = [r for r in rows if r.get("best_lr_eff") is not None]
+        if not ok:
+            continue
+        t = trend["all"]
+        slope = f", slope {t['slope']:.2f}" if t.get("slope") is not None else ""
+        ax.plot([r["batch_size"] for r in ok], [r["best_lr_eff"] for r in ok], "o-", color=c, label=label + slope)
+        edges = [r for r in ok if r["lr_at_edge"]]
+        if edges:
+            ax.plot([r["batch_size"] for r in edges], [r["best_lr_eff"] for r in edges], "o", ms=11, mfc="none",
+                    mec="r", label="at the edge of the search window" if anchor is None else None)
+        if len(curves) == 1:
+            ax.fill_between([r["batch_size"] for r in ok], [r["lr_window_lo"] for r in ok],
+                            [r["lr_window_hi"] for r in ok], color=c, alpha=0.08, label="search window")
+        if anchor is None:  # reference lines through the first curve's centroid (geometric means)
+            anchor = (math.exp(np.mean(np.log([r["batch_size"] for r in ok]))),
+                      math.exp(np.mean(np.log([r["best_lr_eff"] for r in ok]))))
+    if anchor is not None:
+        for k, style, name in ((1.0, "k--", "linear scaling (slope 1)"), (0.5, "k:", "square-root scaling (slope 0.5)")):
+            ax.plot(all_b, [anchor[1] * (b / anchor[0]) ** k for b in all_b], style, lw=1, label=name)
+    ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="best effective LR  lr / (1 - momentum)",
+           title="best learning rate vs batch size")
+    ax.set_xticks(all_b, [str(b) for b in all_b])
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    lr_png = os.path.join(out_dir, "best_lr.png")
+    fig.savefig(lr_png, dpi=120)
+    plt.close(fig)
+    return steps_png, lr_png
+
+
+def load_dir(d):
+    """(label, records) of one output folder: the records made with the settings of its summary (or its last)."""
+    records = read_trials(os.path.join(d, "trials.jsonl"))
+    if not records:
+        raise StudyError(f"no trials in {os.path.join(d, 'trials.jsonl')}")
+    settings = records[-1]["settings"]
+    records = [r for r in records if r.get("settings") == settings]
+    return f"{settings['workload']}/{settings['optimizer']}", settings, records
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_set(items):
+    """--set KEY=VALUE: train_cifar options as Python literals (widths=(16,32,32), precision=fp32)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise StudyError(f"--set expects KEY=VALUE, got {item!r}")
+        try:
+            out[key.strip().replace("-", "_")] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key.strip().replace("-", "_")] = value
+    return out
+
+
+# train_cifar options the study controls for every trial (not settable with --set).
+STUDY_OPTIONS = {"batch_size", "epochs", "lr_knots", "lr_values", "target", "stop_at_target", "eval_every",
+                 "eval_every_steps", "holdout", "seed", "runs", "optimizer", "momentum", "nesterov",
+                 "trust_coefficient", "warmup_epochs", "lr_scaling"}
+
+
+def study_settings(workload="cpu", optimizer="nesterov", target=None, eval=None, holdout=None, epochs=None,
+                   min_steps=None, evals_per_trial=None, seed=0, lr_range=None,
+                   lr_window_exponent=LR_WINDOW_EXPONENT, train_subset=0, overrides=None):
+    """What must stay the same within one output folder (batch sizes and trial counts may grow); None takes the
+    workload's value. JSON-ready (lists, not tuples), so a resumed study compares equal to the stored one."""
+    w = WORKLOADS[workload]
+    if optimizer not in OPTIMIZERS:
+        raise StudyError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    taken = sorted(set(overrides or {}) & STUDY_OPTIONS)
+    if taken:
+        raise StudyError(f"--set {', '.join(taken)}: the study controls this per trial (see its own options)")
+    space = dict(SEARCH_SPACE)
+    if lr_range:
+        space["lr_eff"] = (float(lr_range[0]), float(lr_range[1]), "log")
+    eval_split = eval or w["eval"]
+    holdout = (holdout if holdout is not None else w["holdout"] or 5000) if eval_split == "holdout" else 0
+    overrides = dict(w["overrides"], **(overrides or {}))
+    pick = lambda v, k: v if v is not None else w[k]  # noqa: E731
+    return dict(workload=workload, preset=w["preset"], optimizer=optimizer, target=pick(target, "target"),
+                eval=eval_split, holdout=holdout, epochs=pick(epochs, "epochs"), min_steps=pick(min_steps, "min_steps"),
+                evals_per_trial=pick(evals_per_trial, "evals_per_trial"), seed=seed,
+                search_space={k: list(v) for k, v in space.items()}, lr_window_exponent=lr_window_exponent,
+                lr_reference_batch=LR_REFERENCE_BATCH, train_subset=train_subset,
+                overrides={k: list(v) if isinstance(v, tuple) else v for k, v in sorted(overrides.items())})
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),
+                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="run (or resume) a study")
+    r.add_argument("--workload", default="cpu", choices=list(WORKLOADS),
+                   help="; ".join(f"{k}: {w['about']}" for k, w in WORKLOADS.items()).replace("%", "%%"))
+    r.add_argument("--optimizer", default="nesterov", choices=list(OPTIMIZERS))
+    r.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="default: the workload's")
+    r.add_argument("--trials", type=int, default=8, help="trials per batch size")
+    r.add_argument("--data", default=None, help="CIFAR-10 .npz, tarball or folder (default: $CIFAR10_DATA or ./data)")
+    r.add_argument("--eval", choices=["holdout", "test"], default=None,
+                   help="judge the target on held-out training images or the test set (default: the workload's)")
+    r.add_argument("--holdout", type=int, default=None, help="held-out images for --eval holdout (default 5000)")
+    r.add_argument("--target", type=float, default=None)
+    r.add_argument("--epochs", type=float, default=None, help="step budget in epochs (default: the workload's)")
+    r.add_argument("--min-steps", type=int, default=None, help="the budget is never below this many steps")
+    r.add_argument("--evals-per-trial", type=int, default=None, help="evaluations over a full budget")
+    r.add_argument("--lr-range", type=float, nargs=2, default=None, metavar=("LO", "HI"),
+                   help=f"effective-LR window at batch {LR_REFERENCE_BATCH} (default {SEARCH_SPACE['lr_eff'][:2]})")
+    r.add_argument("--lr-window-exponent", type=float, default=LR_WINDOW_EXPONENT,
+                   help="the LR window slides as batch**this (0: the same window everywhere)")
+    r.add_argument("--seed", type=int, default=0, help="seeds the Halton scrambling; trial t trains with seed+t")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other train_cifar option, e.g. --set precision=fp32 --set 'widths=(8,16,16)'")
+    r.add_argument("--train-subset", type=int, default=0, metavar="N", help="train on a fixed random N images (smoke tests)")
+    r.add_argument("--device", default=None)
+    r.add_argument("--out", default=None, help="output folder (default logs/batch-size-<workload>-<optimizer>)")
+    r.add_argument("--dry-run", action="store_true", help="print the planned trials and exit")
+    r.add_argument("--verbose", action="store_true", help="print every trial's training log")
+    q = sub.add_parser("plot", help="summaries and plots of one or several output folders (one curve each)")
+    q.add_argument("dirs", nargs="+")
+    q.add_argument("--out", default=None, help="where the PNGs go (default: the folder, or logs/batch-size-plots)")
+    args = p.parse_args(argv)
+    if args.command == "run":
+        w = WORKLOADS[args.workload]
+        args.batch_sizes = sorted(set(args.batch_sizes or w["batch_sizes"]))
+        if min(args.batch_sizes) < 1 or args.trials < 1:
+            p.error("batch sizes and --trials must be positive")
+        try:
+            args.settings = study_settings(args.workload, args.optimizer, args.target, args.eval, args.holdout,
+                                           args.epochs, args.min_steps, args.evals_per_trial, args.seed,
+                                           args.lr_range, args.lr_window_exponent, args.train_subset,
+                                           parse_set(args.set))
+            import train_cifar
+            train_cifar.make_config(w["preset"], **{k: tuple(v) if isinstance(v, list) else v
+                                                   for k, v in args.settings["overrides"].items()})
+        except ValueError as e:
+            p.error(str(e))
+        args.out = args.out or os.path.join("logs", f"batch-size-{args.workload}-{args.optimizer}")
+    return p, args
+
+
+def cmd_run(parser, args):
+    settings = args.settings
+    if args.dry_run:
+        n = (args.train_subset or 50000) - settings["holdout"]
+        for spec in plan(settings, args.batch_sizes, args.trials, n):
+            print(f"b={spec['batch_size']:<5} trial {spec['trial']}: {describe_params(spec['params'])}; budget "
+                  f"{spec['budget_steps']} steps ({spec['budget_epochs']:.2f} epochs), eval every "
+                  f"{spec['eval_every_steps']}")
+        return
+    import torch
+    import torch_backend as tb
+    import train_cifar
+    try:
+        data = tb.load_cifar10(args.data or train_cifar.default_data_path())
+    except tb.DataError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    if args.train_subset:  # a random subset: the training set is sorted by class
+        keep = np.random.default_rng(0).permutation(len(data["train_y"]))[:args.train_subset]
+        data = dict(data, train_x=data["train_x"][keep], train_y=data["train_y"][keep])
+    n_train = len(data["train_y"]) - settings["holdout"]
+    if n_train <= 0 or max(args.batch_sizes) > n_train:
+        parser.exit(2, f"{parser.prog}: error: batch sizes up to {max(args.batch_sizes)} need more than the "
+                       f"{n_train} training images left (holdout {settings['holdout']})\n")
+    device = torch.device(args.device) if args.device else tb.default_device()
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "trials.jsonl")
+    specs = plan(settings, args.batch_sizes, args.trials, n_train)
+    w = WORKLOADS[args.workload]
+    print(f"study: {args.workload} ({w['about']}), {args.optimizer} ({OPTIMIZERS[args.optimizer].about}), "
+          f"target {settings['target']:g} on the {settings['eval']} set, batch sizes "
+          f"{' '.join(map(str, args.batch_sizes))}, {args.trials} trials each, on {tb.device_name(device)}", flush=True)
+    log = print if args.verbose else (lambda *a: None)
+    status = "complete"
+    try:
+        run_study(specs, lambda s: run_trial(s, data, w["preset"], device, log), path, settings,
+                  log=lambda m: print(m, flush=True))
+    except StudyError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    except KeyboardInterrupt:
+        status = "interrupted"
+        print("\ninterrupted: the trial in flight is lost, finished trials are kept; run the same command to resume",
+              flush=True)
+    records = [r for r in read_trials(path) if r.get("settings") == settings]
+    if records:
+        rows, regimes, trend = write_summary(args.out, settings, records, status)
+        report(rows, regimes, trend)
+        pngs = plot([(f"{args.workload}/{args.optimizer}", rows, regimes, trend)], args.out)
+        print(f"wrote {path}, {os.path.join(args.out, 'summary.tsv')}, summary.json, {', '.join(pngs)}", flush=True)
+    if status == "interrupted":
+        sys.exit(130)
+
+
+def cmd_plot(parser, args):
+    curves = []
+    for d in args.dirs:
+        try:
+            label, settings, records = load_dir(d)
+        except StudyError as e:
+            parser.exit(2, f"{parser.prog}: error: {e}\n")
+        rows, regimes, trend = summarise(records)
+        print(f"\n{d}: {label}, target {settings['target']:g} ({settings['eval']}), {len(records)} trials")
+        report(rows, regimes, trend)
+        curves.append((label, rows, regimes, trend))
+    out = args.out or (args.dirs[0] if len(args.dirs) == 1 else os.path.join("logs", "batch-size-plots"))
+    os.makedirs(out, exist_ok=True)
+    print("wrote " + ", ".join(plot(curves, out)))
+
+
+def main(argv=None):
+    parser, args = parse_args(argv)
+    (cmd_run if args.command == "run" else cmd_plot)(parser, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,302 @@
+"""The batch-size study: regime analysis, the quasi-random search, resume, and one real trial (seconds)."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+import study_batch_size as sbs
+from conftest import synthetic
+
+QUIET = lambda *a, **k: None  # noqa: E731
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Regime analysis on synthetic curves with known breakpoints
+
+def curve(batches, perfect_end, max_useful, c=2 ** 20, noise=0.0, seed=0):
+    """steps = c / b up to perfect_end, then falling as b^-0.5 (29% per doubling) up to max_useful, then flat."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for b in batches:
+        s = c / min(b, perfect_end) * (min(b, max_useful) / perfect_end) ** -0.5 if b > perfect_end else c / b
+        out.append((b, s * (1 + noise * rng.uniform(-1, 1))))
+    return out
+
+
+BATCHES = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+
+
+@pytest.mark.parametrize("perfect_end, max_useful", [(256, 1024), (64, 2048), (128, 128), (1024, 1024)])
+@pytest.mark.parametrize("noise", [0.0, 0.03])
+def test_regimes_are_found_at_the_known_breakpoints(perfect_end, max_useful, noise):
+    for seed in range(5):
+        r = sbs.analyse(curve(BATCHES, perfect_end, max_useful, noise=noise, seed=seed))
+        assert r["perfect_end"] == perfect_end and r["max_useful"] == max_useful
+        assert r["diminishing"] == [b for b in BATCHES if perfect_end < b <= max_useful]
+        assert r["beyond_range"] is False
+        regimes = [p["regime"] for p in r["points"]]
+        assert regimes == ["perfect" if b <= perfect_end else "diminishing" if b <= max_useful
+                           else "beyond max useful" for b in BATCHES]
+
+
+def test_perfect_scaling_throughout_is_reported_as_not_flattened():
+    r = sbs.analyse([(b, 1e6 / b) for b in BATCHES])
+    assert r["perfect_end"] == r["max_useful"] == 4096 and r["beyond_range"] and r["diminishing"] == []
+    assert all(p["steps_over_ideal"] == pytest.approx(1.0) for p in r["points"])
+    assert all(p["cut_per_doubling"] == pytest.approx(0.5) for p in r["points"][1:])
+
+
+def test_unreached_batch_sizes_count_as_infinitely_many_steps():
+    pts = [(16, None), (32, 1000), (64, 500), (128, 260), (256, 200), (512, None)]
+    r = sbs.analyse(pts)
+    assert r["anchor"] == [32, 1000] and r["perfect_end"] == 128 and r["max_useful"] == 256
+    assert [p["regime"] for p in r["points"]] == ["not reached", "perfect", "perfect", "perfect", "diminishing",
+                                                  "not reached"]
+    assert sbs.analyse([(16, None), (32, None)])["perfect_end"] is None
+
+
+def test_a_noisy_point_does_not_end_the_useful_region_early():
+    # 512 happens to need as many steps as 256, but 1024 and 2048 still pay off: the maximal useful batch is 2048
+    pts = [(64, 800), (128, 400), (256, 200), (512, 200), (1024, 120), (2048, 80), (4096, 78)]
+    r = sbs.analyse(pts)
+    assert r["perfect_end"] == 256 and r["max_useful"] == 2048 and r["diminishing"] == [512, 1024, 2048]
+
+
+@pytest.mark.parametrize("slope, closer", [(1.0, "linear (1)"), (0.5, "square root (0.5)"), (0.8, "linear (1)")])
+def test_lr_trend_recovers_the_slope(slope, closer):
+    rng = np.random.default_rng(0)
+    bs = [16, 32, 64, 128, 256, 512, 1024]
+    lrs = [0.01 * b ** slope * math.exp(rng.normal(0, 0.05)) for b in bs]
+    t = sbs.lr_trend(bs, lrs)
+    assert t["slope"] == pytest.approx(slope, abs=0.05) and t["closer_to"] == closer and 0 < t["stderr"] < 0.05
+    assert sbs.lr_trend([16], [0.1])["slope"] is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Quasi-random search
+
+def test_unscrambled_halton_is_the_radical_inverse():
+    x = sbs.scrambled_halton(5, 3, seed=None)
+    assert x[:, 0] == pytest.approx([0, 1 / 2, 1 / 4, 3 / 4, 1 / 8])
+    assert x[:, 1] == pytest.approx([0, 1 / 3, 2 / 3, 1 / 9, 4 / 9])
+    assert x[:, 2] == pytest.approx([0, 1 / 5, 2 / 5, 3 / 5, 4 / 5])
+
+
+def test_halton_is_deterministic_differs_across_seeds_and_keeps_its_prefix():
+    a, b = sbs.scrambled_halton(32, 5, seed=3), sbs.scrambled_halton(32, 5, seed=3)
+    assert np.array_equal(a, b)
+    assert not np.allclose(a, sbs.scrambled_halton(32, 5, seed=4))
+    assert np.array_equal(sbs.scrambled_halton(8, 5, seed=3), a[:8])  # trial i does not depend on n
+    assert np.array_equal(sbs.scrambled_halton(32, 2, seed=3), a[:, :2])  # nor on the dimension
+    assert ((a >= 0) & (a < 1)).all()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_halton_stratifies_and_covers_every_projection(seed):
+    x = sbs.scrambled_halton(125, 5, seed)
+    for j, p in enumerate(sbs.primes(5)):
+        for m in (1, 2, 3):
+            if p ** m <= 125:  # the first p^m points: exactly one in each interval of width p^-m
+                counts = np.bincount((x[:p ** m, j] * p ** m).astype(int), minlength=p ** m)
+                assert (counts == 1).all()
+    for n in (9, 16, 24, 48, 96, 125):  # n >= 3k points leave no bin of width 1/k empty, in any coordinate
+        k = n // 3
+        for j in range(5):
+            assert np.bincount((x[:n, j] * k).astype(int), minlength=k).min() >= 1
+
+
+def test_halton_has_lower_discrepancy_than_random_points():
+    rng = np.random.default_rng(0)
+    for n in (8, 32, 128):
+        qmc = np.mean([sbs.centered_l2_discrepancy(sbs.scrambled_halton(n, 5, s)) for s in range(10)])
+        rnd = np.mean([sbs.centered_l2_discrepancy(rng.random((n, 5))) for _ in range(10)])
+        assert qmc < 0.75 * rnd
+    # random points leave bins empty where Halton does not
+    empty = sum(np.bincount((rng.random(24) * 8).astype(int), minlength=8).min() == 0 for _ in range(100))
+    assert empty > 10
+
+
+def test_discrepancy_matches_scipy():
+    qmc = pytest.importorskip("scipy.stats.qmc")
+    x = sbs.scrambled_halton(40, 4, seed=1)
+    assert sbs.centered_l2_discrepancy(x) ** 2 == pytest.approx(qmc.discrepancy(x, method="CD"))
+
+
+def test_sampled_metaparameters_lie_in_the_space_and_the_lr_window_slides():
+    for name, opt in sbs.OPTIMIZERS.items():
+        for trial in range(16):
+            p16, o16 = sbs.sample_params(name, trial, 16)
+            p2048, _ = sbs.sample_params(name, trial, 2048)
+            lo, hi = sbs.lr_window(16)
+            assert lo <= p16["lr_eff"] <= hi and p16["lr"] == pytest.approx(p16["lr_eff"] * (1 - p16["momentum"]))
+            assert p2048["lr_eff"] / p16["lr_eff"] == pytest.approx(128 ** sbs.LR_WINDOW_EXPONENT)
+            assert p2048["warmup_frac"] == p16["warmup_frac"]  # the same unit-cube point at every batch size
+            for dim in opt.dims:
+                low, high, _ = sbs.SEARCH_SPACE[dim]
+                assert dim == "lr_eff" or low <= p16[dim] <= high
+            assert o16["optimizer"] == ("lars" if name == "lars" else "sgd")
+            assert (o16["momentum"] == 0) == (name == "sgd")
+            assert o16["nesterov"] == (name == "nesterov")
+    # common random numbers: trial 3 has the same LR, warm-up and decay under every optimizer
+    lrs = {n: sbs.sample_params(n, 3, 256)[0]["lr_eff"] for n in sbs.OPTIMIZERS}
+    assert len(set(lrs.values())) == 1
+
+
+def test_trial_budget_schedule_and_eval_interval():
+    s = sbs.study_settings("cpu", "nesterov", epochs=4, min_steps=200, evals_per_trial=30)
+    n_train = 50000 - s["holdout"]
+    for b in (16, 256, 2048):
+        spec = sbs.make_trial(s, b, 2, n_train)
+        per_epoch = n_train // b
+        budget = spec["budget_steps"]
+        assert budget == max(math.ceil(4 * per_epoch), 200)
+        assert math.ceil(per_epoch * spec["train"]["epochs"]) == budget  # the trainer's own step count
+        knots, values = spec["train"]["lr_knots"], spec["train"]["lr_values"]
+        assert knots[-1] == pytest.approx(budget / per_epoch) and max(values) == pytest.approx(spec["params"]["lr"])
+        assert values[-1] == pytest.approx(spec["params"]["lr"] * spec["params"]["decay_to"])
+        assert spec["eval_every_steps"] == max(1, budget // 30)
+        assert spec["train"]["stop_at_target"] and spec["train"]["holdout"] == 5000 and spec["train"]["seed"] == 2
+    assert sbs.study_settings("gpu94", "sgd")["holdout"] == 0
+    with pytest.raises(sbs.StudyError):
+        sbs.study_settings("cpu", "adam")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Runner: resume, torn lines, interrupts
+
+
+def fake_trial(spec):
+    """Steps to target of a made-up workload: perfect scaling to 256, diminishing to 1024, flat beyond; steps
+    grow with the distance from the optimum effective LR, which sits at the centre of the sliding window."""
+    b, lr = spec["batch_size"], spec["params"]["lr_eff"]
+    ideal = 2 ** 20 / min(b, 256) * (min(b, 1024) / 256) ** -0.5 if b > 256 else 2 ** 20 / b
+    steps = math.ceil(ideal * math.exp(0.5 * abs(math.log(lr / math.sqrt(math.prod(spec['lr_window']))))))
+    reached = steps <= spec["budget_steps"]
+    rec = {k: spec[k] for k in ("workload", "optimizer", "batch_size", "trial", "params", "budget_steps",
+                                "budget_epochs", "eval_every_steps", "lr_window")}
+    return dict(rec, reached=reached, diverged=False, steps_to_target=steps if reached else None,
+                best_acc=0.7 if reached else 0.5, wall_s=0.01)
+
+
+@pytest.fixture
+def study(tmp_path):
+    settings = sbs.study_settings("cpu", "momentum", epochs=40, min_steps=4000)
+    specs = sbs.plan(settings, [64, 128, 256, 512, 1024, 2048], 4, 45000)
+    return settings, specs, str(tmp_path / "trials.jsonl")
+
+
+def test_a_killed_study_resumes_without_redoing_finished_trials(study):
+    settings, specs, path = study
+    calls = []
+
+    def dies_at_the_seventh(spec):
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+        calls.append(sbs.trial_key(spec))
+        return fake_trial(spec)
+    with pytest.raises(KeyboardInterrupt):
+        sbs.run_study(specs, dies_at_the_seventh, path, settings, log=QUIET)
+    assert [sbs.trial_key(r) for r in sbs.read_trials(path)] == calls == [sbs.trial_key(s) for s in specs[:6]]
+
+    with open(path, "a") as f:  # a crash in the middle of writing the next record
+        f.write(json.dumps(fake_trial(specs[6]))[:40])
+    warnings = []
+    assert len(sbs.read_trials(path, warn=warnings.append)) == 6 and "torn" in warnings[0]
+
+    again = []
+    records = sbs.run_study(specs, lambda s: again.append(sbs.trial_key(s)) or fake_trial(s), path, settings, log=QUIET)
+    assert again == [sbs.trial_key(s) for s in specs[6:]]  # the torn trial is redone, the finished ones are not
+    with open(path) as f:
+        lines = f.read().splitlines()
+    assert len(lines) == len(specs) == len(records)
+    assert sorted(sbs.trial_key(json.loads(line)) for line in lines) == sorted(sbs.trial_key(s) for s in specs)
+    assert sbs.run_study(specs, lambda s: pytest.fail("nothing is left to run"), path, settings, log=QUIET)
+
+
+def test_an_unterminated_complete_last_line_is_kept_and_terminated(study):
+    settings, specs, path = study
+    with open(path, "w") as f:
+        f.write(json.dumps(dict(fake_trial(specs[0]), settings=settings)))
+    records = sbs.run_study(specs[:2], fake_trial, path, settings, log=QUIET)
+    with open(path) as f:
+        assert [sbs.trial_key(json.loads(line)) for line in f] == [sbs.trial_key(s) for s in specs[:2]]
+    assert len(records) == 2
+
+
+def test_trials_with_other_settings_are_refused(study):
+    settings, specs, path = study
+    sbs.run_study(specs[:1], fake_trial, path, settings, log=QUIET)
+    other = sbs.study_settings("cpu", "momentum", epochs=40, min_steps=4000, target=0.7)
+    with pytest.raises(sbs.StudyError, match="other settings"):
+        sbs.run_study(specs, fake_trial, path, other, log=QUIET)
+
+
+def test_summary_regimes_and_plots_of_a_fake_study(study, tmp_path):
+    settings, specs, path = study
+    records = sbs.run_study(specs, fake_trial, path, settings, log=QUIET)
+    rows, regimes, trend = sbs.write_summary(str(tmp_path), settings, records, "complete")
+    assert [r["batch_size"] for r in rows] == [64, 128, 256, 512, 1024, 2048]
+    for r in rows:
+        best = min(x["steps_to_target"] for x in records if x["batch_size"] == r["batch_size"] and x["reached"])
+        assert r["best_steps"] == best and r["trials"] == 4
+    assert regimes["perfect_end"] == 256 and regimes["max_useful"] == 1024
+    assert trend["all"]["slope"] == pytest.approx(sbs.LR_WINDOW_EXPONENT)
+    with open(tmp_path / "summary.tsv") as f:
+        header, *lines = f.read().splitlines()
+    assert header.split("\t") == sbs.SUMMARY_COLUMNS and len(lines) == 6
+    assert json.loads((tmp_path / "summary.json").read_text())["regimes"]["max_useful"] == 1024
+    for png in sbs.plot([("cpu/momentum", rows, regimes, trend), ("again", rows, regimes, trend)], str(tmp_path)):
+        with open(png, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Real trials through train_cifar.train (tiny net, synthetic data: seconds)
+
+TINY = dict(widths=(8, 16, 16), precision="fp32")
+
+
+def tiny_settings(**kw):
+    return sbs.study_settings("cpu", kw.pop("optimizer", "nesterov"), holdout=50, epochs=1, min_steps=8,
+                              evals_per_trial=4, overrides=TINY, **kw)
+
+
+def test_a_real_trial_records_steps_to_target_and_the_full_budget_otherwise():
+    data = synthetic(n_train=200, n_test=10)
+    easy = sbs.run_trial(sbs.make_trial(tiny_settings(target=0.01), 25, 0, 150), data, "fast94")
+    assert easy["reached"] and easy["steps_to_target"] == easy["eval_every_steps"] == 2
+    assert easy["examples_to_target"] == 50 and len(easy["evals"]) == 1 and not easy["diverged"]
+    hard = sbs.run_trial(sbs.make_trial(tiny_settings(target=1.0), 25, 1, 150), data, "fast94")
+    assert not hard["reached"] and hard["steps_to_target"] is None and hard["budget_steps"] == 8
+    assert [e[0] for e in hard["evals"]] == [2, 4, 6, 8] and 0 <= hard["best_acc"] <= 1
+
+
+def test_a_diverging_trial_is_recorded_as_diverged():
+    data = synthetic(n_train=200, n_test=10)
+    spec = sbs.make_trial(tiny_settings(optimizer="sgd", target=1.0, lr_range=(1e29, 1e30)), 25, 0, 150)
+    rec = sbs.run_trial(spec, data, "fast94")
+    assert rec["diverged"] and not rec["reached"] and "diverged" in rec["error"]
+
+
+def test_command_line_runs_resumes_and_plots(tmp_path, capsys):
+    npz = tmp_path / "tiny.npz"
+    np.savez(npz, **synthetic(n_train=200, n_test=20))
+    out = tmp_path / "study"
+    argv = ["run", "--optimizer", "sgd", "--data", str(npz), "--batch-sizes", "25", "50", "--trials", "2",
+            "--eval", "test", "--epochs", "1", "--min-steps", "4", "--evals-per-trial", "2", "--target", "0.01",
+            "--set", "widths=(8,16,16)", "--set", "precision=fp32", "--out", str(out)]
+    sbs.main(argv)
+    assert "[4/4]" in capsys.readouterr().out
+    assert len(sbs.read_trials(str(out / "trials.jsonl"))) == 4
+    sbs.main(argv)
+    assert "4 finished trial(s)" in capsys.readouterr().out and len(sbs.read_trials(str(out / "trials.jsonl"))) == 4
+    sbs.main(["plot", str(out), str(out), "--out", str(tmp_path / "plots")])
+    assert (tmp_path / "plots" / "steps_to_target.png").exists() and (tmp_path / "plots" / "best_lr.png").exists()
+    for name in ("summary.tsv", "summary.json", "steps_to_target.png", "best_lr.png"):
+        assert (out / name).exists()
+
+
+def test_options_the_study_sets_per_trial_cannot_be_overridden():
+    with pytest.raises(sbs.StudyError, match="momentum"):
+        sbs.study_settings("cpu", "sgd", overrides=dict(momentum=0.9))
