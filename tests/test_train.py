@@ -17,7 +17,7 @@ TINY = dict(widths=(8, 16, 16, 16), batch_size=50, epochs=2, precision="fp32", t
 
 def cli(*args, cwd=ROOT):
     return subprocess.run([sys.executable, os.path.join(ROOT, "train_cifar.py"), *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=900)
 
 
 @pytest.fixture
