@@ -1,4 +1,5 @@
 """Pieces that do not depend on PyTorch: schedules, timing, tables, statistics, logs."""
+import ast
 import json
 import math
 import os
@@ -110,6 +111,21 @@ def read_tsv(path):
     with open(path) as f:
         lines = [l.rstrip("\n").split("\t") for l in f if l.strip()]
     return [dict(zip(lines[0], l)) for l in lines[1:]]
+
+
+def parse_overrides(items):
+    """KEY=VALUE strings (as from --set) into a dict, values read as Python literals where they parse
+    (epochs=2, widths=(16,32,32)) and kept as strings otherwise (precision=fp32); '-' in keys becomes '_'."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        try:
+            out[key.strip().replace("-", "_")] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key.strip().replace("-", "_")] = value
+    return out
 
 
 def git_commit(directory=None):

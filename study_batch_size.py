@@ -28,7 +28,6 @@ batch size is the smallest b beyond which no larger batch size cuts steps by USE
 between the two lies the region of diminishing returns.
 """
 import argparse
-import ast
 import collections
 import dataclasses
 import datetime
@@ -39,6 +38,8 @@ import sys
 import time
 
 import numpy as np
+
+import core
 
 # ---------------------------------------------------------------------------------------------------------------
 # Workloads. A workload is a train_cifar preset with fixed overrides, a target, an evaluation split and a step
@@ -491,7 +492,6 @@ def write_summary(out, settings, records, status):
         for r in rows:
             f.write("\t".join(fmt_cell(r.get(c)) for c in SUMMARY_COLUMNS) + "\n")
     os.replace(tmp, os.path.join(out, "summary.tsv"))
-    import core
     core.write_json_atomic(os.path.join(out, "summary.json"), dict(
         settings=settings, status=status, trials=len(records), rows=rows, regimes=regimes, lr_trend=trend,
         written=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -564,13 +564,7 @@ def plot(curves, out_dir):
                 ax.axvspan(m_hi, hi, color="tab:red", alpha=0.08, label="beyond maximal useful batch")
     ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="steps to target (best trial)",
            title="steps to target vs batch size")
-    ax.set_xticks(all_b, [str(b) for b in all_b])
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    steps_png = os.path.join(out_dir, "steps_to_target.png")
-    fig.savefig(steps_png, dpi=120)
-    plt.close(fig)
+    steps_png = _finish_log_log_plot(fig, ax, all_b, os.path.join(out_dir, "steps_to_target.png"))
 
     fig, ax = plt.subplots(figsize=(7.5, 5.5))
     anchor = None
@@ -597,14 +591,20 @@ def plot(curves, out_dir):
             ax.plot(all_b, [anchor[1] * (b / anchor[0]) ** k for b in all_b], style, lw=1, label=name)
     ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="best effective LR  lr / (1 - momentum)",
            title="best learning rate vs batch size")
-    ax.set_xticks(all_b, [str(b) for b in all_b])
+    lr_png = _finish_log_log_plot(fig, ax, all_b, os.path.join(out_dir, "best_lr.png"))
+    return steps_png, lr_png
+
+
+def _finish_log_log_plot(fig, ax, batch_sizes, path):
+    """Batch sizes as x tick labels, grid, legend; saves the figure to path and returns path."""
+    ax.set_xticks(batch_sizes, [str(b) for b in batch_sizes])
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    lr_png = os.path.join(out_dir, "best_lr.png")
-    fig.savefig(lr_png, dpi=120)
+    fig.savefig(path, dpi=120)
+    import matplotlib.pyplot as plt  # matplotlib is imported only where a plot is drawn
     plt.close(fig)
-    return steps_png, lr_png
+    return path
 
 
 def load_dir(d):
@@ -619,20 +619,6 @@ def load_dir(d):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Command line
-
-
-def parse_set(items):
-    """--set KEY=VALUE: train_cifar options as Python literals (widths=(16,32,32), precision=fp32)."""
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise StudyError(f"--set expects KEY=VALUE, got {item!r}")
-        try:
-            out[key.strip().replace("-", "_")] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            out[key.strip().replace("-", "_")] = value
-    return out
 
 
 # train_cifar options the study controls for every trial (not settable with --set).
@@ -710,7 +696,7 @@ def parse_args(argv):
             args.settings = study_settings(args.workload, args.optimizer, args.target, args.eval, args.holdout,
                                            args.epochs, args.min_steps, args.evals_per_trial, args.seed,
                                            args.lr_range, args.lr_window_exponent, args.train_subset,
-                                           parse_set(args.set))
+                                           core.parse_overrides(args.set))
             import train_cifar
             train_cifar.make_config(w["preset"], **{k: tuple(v) if isinstance(v, list) else v
                                                    for k, v in args.settings["overrides"].items()})

@@ -27,7 +27,6 @@ budget of fresh examples. Runs are evaluated every `eval_every_steps` steps (the
 outside the timer) and at every epoch end, so steps, fresh examples and time to target are resolved to that.
 """
 import argparse
-import ast
 import collections
 import datetime
 import json
@@ -317,19 +316,6 @@ def plot(out, rows, title):
 # ---------------------------------------------------------------------------------------------------------------
 # Command line
 
-def parse_set(items):
-    """--set KEY=VALUE overrides of train_cifar options (Python literals: epochs=2, widths=(16,32,32))."""
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
-        try:
-            out[key.replace("-", "_")] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            out[key.replace("-", "_")] = value
-    return out
-
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),
@@ -363,7 +349,7 @@ def parse_args(argv):
     if any(f < 1 for f in args.factors) or args.seeds < 1:
         p.error("factors must be >= 1 and --seeds >= 1")
     try:
-        args.overrides = parse_set(args.set)
+        args.overrides = core.parse_overrides(args.set)
         train_cifar.make_config(WORKLOADS[args.workload]["preset"],
                                 **dict(WORKLOADS[args.workload]["overrides"], **args.overrides))
     except ValueError as e:

@@ -69,3 +69,10 @@ def test_table_prints_header_once():
     table.row({"epoch": 1, "acc": 0.5})
     table.row({"epoch": 2, "acc": 0.75})
     assert lines == [" epoch    acc", "     1 0.5000", "     2 0.7500"]
+
+
+def test_parse_overrides_reads_literals_and_keeps_plain_strings():
+    assert core.parse_overrides(["epochs=2", "widths=(16,32,32)", "precision=fp32", "lr-values=[0, 1.5, 0]"]) == \
+        dict(epochs=2, widths=(16, 32, 32), precision="fp32", lr_values=[0, 1.5, 0])
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        core.parse_overrides(["epochs"])
