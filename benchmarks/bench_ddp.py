@@ -1,0 +1,101 @@
+"""Training throughput of one preset with 1 process or N processes under torchrun (the same global batch).
+
+    python benchmarks/bench_ddp.py --preset fast94                           # 1 process
+    torchrun --nproc_per_node 2 benchmarks/bench_ddp.py --preset fast94      # 2 processes (gloo on CPU, NCCL on GPU)
+
+Times full data-parallel training steps (augmentation of the rank's slice, forward, backward, gradient
+all-reduce, update) on random data of CIFAR-10's shape, after a warm-up; mean ± std of images/s over repeats.
+Each process trains on global_batch / N images a step, so images/s compare directly across N. torchrun sets
+OMP_NUM_THREADS=1 per process unless it is set; the threads each process used are logged. Rank 0 appends its
+result to logs/bench_ddp.jsonl (one line per invocation: world size, threads, hardware, torch, commit)."""
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import core  # noqa: E402
+import parallel  # noqa: E402
+import torch_backend as tb  # noqa: E402
+import train_cifar  # noqa: E402
+
+N_TRAIN = 50000
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default=train_cifar.DEFAULT_PRESET, choices=list(train_cifar.PRESETS))
+    p.add_argument("--steps", type=int, default=10, help="training steps per timed repeat")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="preset overrides")
+    p.add_argument("--out", default="logs/bench_ddp.jsonl", help="JSONL file rank 0 appends to ('' for none)")
+    a = p.parse_args()
+    try:
+        cfg = train_cifar.make_config(a.preset, **core.parse_overrides(a.set))
+    except ValueError as e:
+        p.error(str(e))
+    rank, world, local_rank = parallel.init_distributed()
+    train_cifar.check_distributed(cfg, world)
+    device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    precision = tb.resolve_precision(cfg["precision"], device)
+    bs, pad, local_bs = cfg["batch_size"], cfg["pad"], cfg["batch_size"] // world
+    gen = torch.Generator(device=device).manual_seed(0)
+    x_all = torch.randn(N_TRAIN, 32 + 2 * pad, 32 + 2 * pad, 3, generator=gen, device=device).to(tb.DTYPES[precision])
+    y_all = torch.randint(0, 10, (N_TRAIN,), generator=gen, device=device)
+    torch.manual_seed(0)  # the same initial weights on every rank, as DDP expects
+    model = train_cifar.build_model(cfg, device)
+    opt = train_cifar.make_optimizer(cfg, model)
+    step_fn = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    aug = tb.draw_augmentation(N_TRAIN, pad, cfg["cutout"], cfg["flip"] != "none", gen, device)
+    sync = tb.synchronizer(device)
+
+    def step(i):
+        start = (i * bs) % (N_TRAIN - bs) + rank * local_bs
+        idx = torch.arange(start, start + local_bs, device=device)
+        x = tb.augment(x_all, idx, {k: v[start:start + local_bs] for k, v in aug.items()}, cutout=cfg["cutout"])
+        with tb.autocast(precision, device):
+            out = step_fn(x)
+        loss = F.cross_entropy(out.float(), y_all[idx], label_smoothing=cfg["label_smoothing"])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    for i in range(a.warmup):
+        step(i)
+    rates = []
+    for r in range(a.repeats):
+        if world > 1:
+            torch.distributed.barrier()
+        sync()
+        t = time.perf_counter()
+        for i in range(a.steps):
+            step(i)
+        sync()
+        elapsed = torch.tensor(time.perf_counter() - t)
+        if world > 1:  # a step is done when the slowest rank is done
+            torch.distributed.all_reduce(elapsed, op=torch.distributed.ReduceOp.MAX)
+        rates.append(a.steps * bs / elapsed.item())
+    mean, std = core.mean_std(rates)
+    if rank == 0:
+        rec = dict(preset=a.preset, overrides=a.set, world_size=world, threads_per_process=torch.get_num_threads(),
+                   batch_size=bs, precision=precision, steps=a.steps, repeats=a.repeats, img_per_s=[mean, std],
+                   rates=rates, hardware=tb.device_name(device), torch=torch.__version__, commit=core.git_commit(),
+                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+        print(f"{a.preset}: {world} process(es) x {torch.get_num_threads()} thread(s), global batch {bs}, "
+              f"{precision}: {mean:,.0f} ± {std:,.0f} img/s on {rec['hardware']}")
+        if a.out:
+            os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+            with open(a.out, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+    if world > 1:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
