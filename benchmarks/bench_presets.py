@@ -1,6 +1,6 @@
 """For each preset: training FLOPs per run, training images/s and achieved FLOP/s on this hardware.
 
-    python benchmarks/bench_presets.py [--presets fast94 resnet9] [--steps 5] [--repeats 3]
+    python benchmarks/bench_presets.py [--presets fast94 resnet9] [--steps 5] [--repeats 3] [--compile]
 
 Times full training steps (augmentation, forward, backward, update) on random data of CIFAR-10's shape after
 a warm-up, so it needs no data set; mean ± std over repeats. Writes logs/bench_presets-*.json."""
@@ -22,8 +22,8 @@ import train_cifar  # noqa: E402
 N_TRAIN = 50000
 
 
-def measure(preset, device, steps, repeats):
-    cfg = train_cifar.make_config(preset)
+def measure(preset, device, steps, repeats, compile=False):
+    cfg = train_cifar.make_config(preset, compile=compile)
     precision = tb.resolve_precision(cfg["precision"], device)
     bs, pad = cfg["batch_size"], cfg["pad"]
     gen = torch.Generator(device=device).manual_seed(0)
@@ -31,6 +31,7 @@ def measure(preset, device, steps, repeats):
     y_all = torch.randint(0, 10, (N_TRAIN,), generator=gen, device=device)
     model = train_cifar.build_model(cfg, device)
     opt = train_cifar.make_optimizer(cfg, model)
+    step_fn = train_cifar.make_step_fn(cfg, model, world=1)  # compiled with --compile
     flops_step = train_cifar.train_flops(cfg, model, device, precision, bs)
     run_steps = math.ceil(train_cifar.steps_per_epoch(cfg, N_TRAIN) * cfg["epochs"])
     aug = tb.draw_augmentation(N_TRAIN, pad, cfg["cutout"], cfg["flip"] != "none", gen, device)
@@ -41,13 +42,13 @@ def measure(preset, device, steps, repeats):
         idx = torch.arange(sl.start, sl.stop, device=device)
         x = tb.augment(x_all, idx, {k: v[sl] for k, v in aug.items()}, cutout=cfg["cutout"])
         with tb.autocast(precision, device):
-            out = model(x)
+            out = step_fn(x)
         loss = F.cross_entropy(out.float(), y_all[idx], label_smoothing=cfg["label_smoothing"])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
 
-    for i in range(2):  # warm-up
+    for i in range(3 if compile else 2):  # warm-up (and compilation)
         step(i)
     rates = []
     for r in range(repeats):
@@ -58,7 +59,7 @@ def measure(preset, device, steps, repeats):
         sync()
         rates.append(steps * bs / (time.perf_counter() - t))
     img_s = core.mean_std(rates)
-    return dict(preset=preset, precision=precision, batch_size=bs, flops_per_step=flops_step,
+    return dict(preset=preset, compile=compile, precision=precision, batch_size=bs, flops_per_step=flops_step,
                 train_flops_per_run=flops_step * run_steps, img_per_s=img_s,
                 tflop_per_s=(img_s[0] * flops_step / bs / 1e12, img_s[1] * flops_step / bs / 1e12),
                 est_train_time_s=run_steps * bs / img_s[0])
@@ -69,18 +70,19 @@ def main():
     p.add_argument("--presets", nargs="+", default=list(train_cifar.PRESETS), choices=list(train_cifar.PRESETS))
     p.add_argument("--steps", type=int, default=5, help="training steps per timed repeat")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--compile", action="store_true", help="time the torch.compile'd step (compiled in the warm-up)")
     p.add_argument("--device", default=None)
     p.add_argument("--log-dir", default="logs")
     a = p.parse_args()
     device = torch.device(a.device) if a.device else tb.default_device()
     info = dict(hardware=tb.device_name(device), torch=torch.__version__, commit=core.git_commit(),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                steps=a.steps, repeats=a.repeats)
+                steps=a.steps, repeats=a.repeats, compile=a.compile)
     print(f"{info['hardware']}, torch {torch.__version__}")
     table = core.Table(["preset", "precision", "PF/run", "img/s", "±", "TFLOP/s", "est_time_s"], width=11)
     results = []
     for preset in a.presets:
-        r = measure(preset, device, a.steps, a.repeats)
+        r = measure(preset, device, a.steps, a.repeats, a.compile)
         results.append(r)
         table.row({"preset": preset, "precision": r["precision"], "PF/run": r["train_flops_per_run"] / 1e15,
                    "img/s": round(r["img_per_s"][0]), "±": round(r["img_per_s"][1]),

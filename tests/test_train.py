@@ -159,3 +159,36 @@ def test_step_evaluations_stop_at_target_on_a_holdout():
                              **dict(TINY, epochs=1, holdout=100, eval_every_steps=2))
     assert [e["step"] for e in full["runs"][0]["evals"]] == [2, 4, 6]  # 300 training images, batch 50
     assert all(round(e["test_acc"] * 100) == e["test_acc"] * 100 for e in full["runs"][0]["evals"])
+
+
+def test_compile_warm_up_leaves_the_net_as_it_was():
+    """The warm-up trains nothing: weights, BN statistics and requires_grad are restored and no gradient is left
+    (eager step here; the compiled step is the same call)."""
+    cfg = train_cifar.make_config("fast94", widths=(8, 16, 16), whiten_bias_epochs=2, precision="fp32")
+    dev = torch.device("cpu")
+    torch.manual_seed(0)
+    model = train_cifar.build_model(cfg, dev)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    rng_state = torch.get_rng_state()
+    train_cifar.warm_up_compile(cfg, model, model, dev, "fp32", 16)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in model.parameters())
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
+    assert torch.equal(torch.get_rng_state(), rng_state)  # the run's random streams are untouched
+
+
+def test_compiled_run_matches_the_eager_run():
+    """torch.compile changes how the step runs, not what it computes: same seed, same training losses (fp32,
+    up to kernel rounding), and the compilation is not counted in the run's time."""
+    data = synthetic(256, 100)
+    kw = dict(widths=(8, 16, 16), batch_size=64, epochs=2, precision="fp32", tta=0, lookahead_start_epoch=-1,
+              whiten_bias_epochs=1, log_dir=None)
+    said = []
+    eager = train_cifar.train("fast94", data=data, log=lambda *a: None, **kw)["runs"][0]
+    compiled = train_cifar.train("fast94", data=data, log=said.append, compile=True, **kw)["runs"][0]
+    np.testing.assert_allclose([r["train_loss"] for r in compiled["epochs"]],
+                               [r["train_loss"] for r in eager["epochs"]], rtol=1e-3)
+    compile_s = float(next(m for m in said if m.startswith("compiled the training step")).split(" in ")[1].split()[0])
+    assert compiled["total_time_s"] < compile_s  # a tiny run: compiling takes far longer than training
