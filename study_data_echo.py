@@ -37,7 +37,6 @@ import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 import core
 import pipeline
@@ -93,12 +92,7 @@ def measure_r(preset, overrides, data, device, batches=10, warmup=3, log=print):
         g["lr"] = 1e-3 * g["lr_scale"]
 
     def step():
-        with tb.autocast(precision, device):
-            out = model(x)
-        loss = F.cross_entropy(out.float(), y, label_smoothing=cfg["label_smoothing"])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        train_cifar.train_step(cfg, model, opt, x, y, precision, device)
     timed(step, 2)
     t_down, _ = timed(step, batches)
     r = dict(pipeline=cfg["pipeline"], loader_workers=cfg["loader_workers"], batch_size=cfg["batch_size"],

@@ -221,6 +221,22 @@ def make_step_fn(cfg, model, world):
     return torch.compile(step_fn) if cfg["compile"] else step_fn
 
 
+def train_step(cfg, step_fn, opt, x, y, precision, device, scaler=None):
+    """One update: forward under autocast, the loss in fp32, backward (loss-scaled for fp16), optimizer step."""
+    with tb.autocast(precision, device):
+        out = step_fn(x)
+    loss = F.cross_entropy(out.float(), y, label_smoothing=cfg["label_smoothing"])
+    opt.zero_grad(set_to_none=True)
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    else:
+        loss.backward()
+        opt.step()
+    return out, loss
+
+
 def warm_up_compile(cfg, model, step_fn, device, precision, local_bs):
     """Compiles the training step (forward and backward) on the run's own net before its timed steps, then puts
     the net back as it was (weights, BN statistics, no gradients; the optimizer has not stepped). Covers both
@@ -334,13 +350,7 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
             for g in opt.param_groups:
                 g["lr"] = lr * g["lr_scale"]
             x, y = stream.next_batch(rank * local_bs, (rank + 1) * local_bs)  # this process's slice
-            with tb.autocast(precision, device):
-                out = step_fn(x)
-            loss = F.cross_entropy(out.float(), y, label_smoothing=cfg["label_smoothing"])
-            opt.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+            out, loss = train_step(cfg, step_fn, opt, x, y, precision, device, scaler)
             step += 1
             loss_sum += loss.detach() * len(y)
             correct += (out.detach().argmax(1) == y).sum()

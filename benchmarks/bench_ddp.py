@@ -16,7 +16,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import core  # noqa: E402
@@ -59,12 +58,7 @@ def main():
         start = (i * bs) % (N_TRAIN - bs) + rank * local_bs
         idx = torch.arange(start, start + local_bs, device=device)
         x = tb.augment(x_all, idx, {k: v[start:start + local_bs] for k, v in aug.items()}, cutout=cfg["cutout"])
-        with tb.autocast(precision, device):
-            out = step_fn(x)
-        loss = F.cross_entropy(out.float(), y_all[idx], label_smoothing=cfg["label_smoothing"])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        train_cifar.train_step(cfg, step_fn, opt, x, y_all[idx], precision, device)
 
     for i in range(a.warmup):
         step(i)

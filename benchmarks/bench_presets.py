@@ -12,7 +12,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import core  # noqa: E402
@@ -41,12 +40,7 @@ def measure(preset, device, steps, repeats, compile=False):
         sl = slice((i * bs) % (N_TRAIN - bs), (i * bs) % (N_TRAIN - bs) + bs)
         idx = torch.arange(sl.start, sl.stop, device=device)
         x = tb.augment(x_all, idx, {k: v[sl] for k, v in aug.items()}, cutout=cfg["cutout"])
-        with tb.autocast(precision, device):
-            out = step_fn(x)
-        loss = F.cross_entropy(out.float(), y_all[idx], label_smoothing=cfg["label_smoothing"])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        train_cifar.train_step(cfg, step_fn, opt, x, y_all[idx], precision, device)
 
     for i in range(3 if compile else 2):  # warm-up (and compilation)
         step(i)
