@@ -207,12 +207,10 @@ class Lookahead:
 
 
 def make_step_fn(cfg, model, world):
-    """What the training step calls: the model, wrapped in DDP under torchrun (with distributed BN and the 2-D
-    all-reduce hook if chosen) and compiled with --compile."""
+    """What the training step calls: the model, wrapped in DDP under torchrun (with the 2-D all-reduce hook if
+    chosen) and compiled with --compile."""
     step_fn = model
     if world > 1:
-        if cfg["sync_bn_group_size"]:
-            parallel.convert_sync_bn(model, parallel.bn_process_groups(world, cfg["sync_bn_group_size"]))
         step_fn = torch.nn.parallel.DistributedDataParallel(model)
         if cfg["allreduce"] == "hierarchical":
             group = cfg["allreduce_group_size"] or int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -237,11 +235,13 @@ def train_step(cfg, step_fn, opt, x, y, precision, device, scaler=None):
     return out, loss
 
 
-def warm_up_compile(cfg, model, step_fn, device, precision, local_bs):
+def warm_up_compile(cfg, model, device, precision, world):
     """Compiles the training step (forward and backward) on the run's own net before its timed steps, then puts
     the net back as it was (weights, BN statistics, no gradients; the optimizer has not stepped). Covers both
     states of the whitening bias (trained in the first whiten_bias_epochs, then frozen): a change of
-    requires_grad means another graph. A later run finds most of the work in torch.compile's caches."""
+    requires_grad means another graph (and, under torchrun, another DDP wrapper). A later run finds most of
+    the work in torch.compile's caches."""
+    local_bs = cfg["batch_size"] // world
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     gen = torch.Generator(device=device).manual_seed(0)  # leaves the run's random streams alone
     x = torch.randn(local_bs, 3, 32, 32, device=device, generator=gen)
@@ -252,6 +252,7 @@ def warm_up_compile(cfg, model, step_fn, device, precision, local_bs):
     for grad in whiten_states:
         if grad is not None:
             model.whiten.bias.requires_grad_(grad)
+        step_fn = make_step_fn(cfg, model, world)
         with tb.autocast(precision, device):
             out = step_fn(x)
         F.cross_entropy(out.float(), y, label_smoothing=cfg["label_smoothing"]).backward()
@@ -306,13 +307,15 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     if cfg["bn_group_size"]:
         parallel.convert_bn(model, cfg["bn_group_size"])
-    step_fn = make_step_fn(cfg, model, world)
+    if world > 1 and cfg["sync_bn_group_size"]:
+        parallel.convert_sync_bn(model, parallel.bn_process_groups(world, cfg["sync_bn_group_size"]))
     if cfg["compile"]:  # building the net and fitting the whitening stay timed; compiling does not
         timer()
         t = time.perf_counter()
-        warm_up_compile(cfg, model, step_fn, device, precision, local_bs)
+        warm_up_compile(cfg, model, device, precision, world)
         timer(include_in_total=False)
         log(f"compiled the training step in {time.perf_counter() - t:.1f} s (outside the timer)")
+    step_fn = make_step_fn(cfg, model, world)
     stream = (pipeline.LoaderStream if cfg["pipeline"] == "loader" else pipeline.BatchStream)(data, cfg, gen, device)
     step, start_epoch = 0, 1
     if checkpoint and os.path.exists(checkpoint):
@@ -338,7 +341,11 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
             return result
     for epoch in range(start_epoch, math.ceil(total_steps / per_epoch) + 1):
         if cfg["whiten_bias_epochs"] and hasattr(model, "whiten"):
-            model.whiten.bias.requires_grad_(epoch <= cfg["whiten_bias_epochs"])
+            trainable = epoch <= cfg["whiten_bias_epochs"]
+            if model.whiten.bias.requires_grad != trainable:
+                model.whiten.bias.requires_grad_(trainable)
+                if world > 1:  # DDP fixes the parameters it reduces when it is built: build it again
+                    step_fn = make_step_fn(cfg, model, world)
         loss_sum = torch.zeros((), device=device)
         correct = torch.zeros((), device=device, dtype=torch.long)
         seen, stop, epoch_start = 0, False, timer.total

@@ -171,7 +171,7 @@ def test_compile_warm_up_leaves_the_net_as_it_was():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
     rng_state = torch.get_rng_state()
-    train_cifar.warm_up_compile(cfg, model, model, dev, "fp32", 16)
+    train_cifar.warm_up_compile(dict(cfg, batch_size=16), model, dev, "fp32", world=1)
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(p.grad is None for p in model.parameters())
