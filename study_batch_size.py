@@ -52,21 +52,23 @@ import core
 # evaluations over its full budget, so steps to target are resolved to ~1/evals_per_trial of the budget.
 
 WORKLOADS = {
-    # Calibration (2-thread AMD EPYC, bf16, shared with a long training run, so slower than alone): at batch
-    # 256, Nesterov, lr_eff 3, momentum 0.85, the holdout accuracy was 36% after 0.25 epochs, 46% after 0.5 and
-    # 58% after 0.82 (LR still high); an epoch took 33-88 s under that load and a 5000-image evaluation 0.4-1.7 s.
-    # So 65% should take a good trial at mid batch sizes about 1.5 epochs (an estimate: about a minute on an idle
-    # CPU, not measured); 20 evaluations per budget keep their cost to ~20% of a trial.
+    # Calibration (logs/batch-size-cpu-calibration/; 1 thread of a 2-core AMD EPYC, bf16, torch 2.13.0,
+    # Nesterov 0.9, 10% warm-up then linear decay to 5%): at batch 256 over 3 epochs, lr 0.1 / 0.3 / 1.0 reached
+    # 65% on the holdout at step 352 / 320 / 512 (final 72.5 / 77.9 / 74.3%), about 65 s a trial; at batch 2048
+    # over 8 epochs, lr 0.4 / 1.2 / 4.0 reached it at step 100 / 140 / never (24%). With fast94's 64x LR on BN biases the curves were
+    # noisy (lr 1.0: 37% -> 16% -> 36% in the first 100 steps); with the biases at the plain LR, lr 0.3 reached
+    # 65% at step 224 instead of 320 and smoothly. So the study trains every parameter at the LR under study
+    # (bias_lr_scale 1): the optimizer compared is then the only one.
     "cpu": dict(preset="fast94", about="fast94 net at widths 16/32/32, 65% on a 5000-image holdout",
                 eval="holdout", holdout=5000, target=0.65, epochs=4.0, min_steps=200, evals_per_trial=20,
                 batch_sizes=(16, 32, 64, 128, 256, 512, 1024, 2048),
-                overrides=dict(widths=(16, 32, 32), tta=0, lookahead_start_epoch=-1)),
+                overrides=dict(widths=(16, 32, 32), tta=0, lookahead_start_epoch=-1, bias_lr_scale=1.0)),
     # Uncalibrated (no GPU was available): fast94 to 94% on the test set without TTA and lookahead, so the
     # budget is twice the record's 9.9 epochs.
     "gpu94": dict(preset="fast94", about="fast94 to 94% on the test set (no TTA, no lookahead)",
                   eval="test", holdout=0, target=0.94, epochs=20.0, min_steps=500, evals_per_trial=50,
                   batch_sizes=(64, 128, 256, 512, 1024, 2048, 4096, 8192),
-                  overrides=dict(tta=0, lookahead_start_epoch=-1)),
+                  overrides=dict(tta=0, lookahead_start_epoch=-1, bias_lr_scale=1.0)),
 }
 
 # Search space: (low, high, scale) of each metaparameter, sampled from the unit cube. Each has a fixed Halton
