@@ -219,11 +219,16 @@ def make_step_fn(cfg, model, world):
     return torch.compile(step_fn) if cfg["compile"] else step_fn
 
 
-def train_step(cfg, step_fn, opt, x, y, precision, device, scaler=None):
-    """One update: forward under autocast, the loss in fp32, backward (loss-scaled for fp16), optimizer step."""
+def forward_loss(cfg, step_fn, x, y, precision, device):
+    """Forward under autocast, the training loss in fp32."""
     with tb.autocast(precision, device):
         out = step_fn(x)
-    loss = F.cross_entropy(out.float(), y, label_smoothing=cfg["label_smoothing"])
+    return out, F.cross_entropy(out.float(), y, label_smoothing=cfg["label_smoothing"])
+
+
+def train_step(cfg, step_fn, opt, x, y, precision, device, scaler=None):
+    """One update: forward_loss, backward (loss-scaled for fp16), optimizer step."""
+    out, loss = forward_loss(cfg, step_fn, x, y, precision, device)
     opt.zero_grad(set_to_none=True)
     if scaler is not None:
         scaler.scale(loss).backward()
@@ -252,10 +257,7 @@ def warm_up_compile(cfg, model, device, precision, world):
     for grad in whiten_states:
         if grad is not None:
             model.whiten.bias.requires_grad_(grad)
-        step_fn = make_step_fn(cfg, model, world)
-        with tb.autocast(precision, device):
-            out = step_fn(x)
-        F.cross_entropy(out.float(), y, label_smoothing=cfg["label_smoothing"]).backward()
+        forward_loss(cfg, make_step_fn(cfg, model, world), x, y, precision, device)[1].backward()
     if before is not None:
         model.whiten.bias.requires_grad_(before)
     model.zero_grad(set_to_none=True)
