@@ -21,8 +21,8 @@ import train_cifar  # noqa: E402
 N_TRAIN = 50000
 
 
-def measure(preset, device, steps, repeats, compile=False):
-    cfg = train_cifar.make_config(preset, compile=compile)
+def measure(preset, device, steps, repeats, compile=False, overrides=None):
+    cfg = train_cifar.make_config(preset, **dict(overrides or {}, compile=compile))
     precision = tb.resolve_precision(cfg["precision"], device)
     bs, pad = cfg["batch_size"], cfg["pad"]
     gen = torch.Generator(device=device).manual_seed(0)
@@ -53,7 +53,8 @@ def measure(preset, device, steps, repeats, compile=False):
         sync()
         rates.append(steps * bs / (time.perf_counter() - t))
     img_s = core.mean_std(rates)
-    return dict(preset=preset, compile=compile, precision=precision, batch_size=bs, flops_per_step=flops_step,
+    return dict(preset=preset, overrides=overrides or {}, compile=compile, precision=precision, batch_size=bs,
+                flops_per_step=flops_step,
                 train_flops_per_run=flops_step * run_steps, img_per_s=img_s,
                 tflop_per_s=(img_s[0] * flops_step / bs / 1e12, img_s[1] * flops_step / bs / 1e12),
                 est_train_time_s=run_steps * bs / img_s[0])
@@ -67,16 +68,25 @@ def main():
     p.add_argument("--compile", action="store_true", help="time the torch.compile'd step (compiled in the warm-up)")
     p.add_argument("--device", default=None)
     p.add_argument("--log-dir", default="logs")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override an option of every preset, e.g. --set batch_size=2048")
     a = p.parse_args()
+    try:
+        overrides = core.parse_overrides(a.set)
+        for preset in a.presets:
+            train_cifar.make_config(preset, **overrides)
+    except ValueError as e:
+        p.error(str(e))
     device = torch.device(a.device) if a.device else tb.default_device()
     info = dict(hardware=tb.device_name(device), torch=torch.__version__, commit=core.git_commit(),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                steps=a.steps, repeats=a.repeats, compile=a.compile)
+                steps=a.steps, repeats=a.repeats, compile=a.compile, overrides=overrides,
+                threads=torch.get_num_threads(), ld_preload=os.environ.get("LD_PRELOAD", ""))
     print(f"{info['hardware']}, torch {torch.__version__}")
     table = core.Table(["preset", "precision", "PF/run", "img/s", "±", "TFLOP/s", "est_time_s"], width=11)
     results = []
     for preset in a.presets:
-        r = measure(preset, device, a.steps, a.repeats, a.compile)
+        r = measure(preset, device, a.steps, a.repeats, a.compile, overrides)
         results.append(r)
         table.row({"preset": preset, "precision": r["precision"], "PF/run": r["train_flops_per_run"] / 1e15,
                    "img/s": round(r["img_per_s"][0]), "±": round(r["img_per_s"][1]),

@@ -1,0 +1,104 @@
+"""Training throughput on the CPU under different memory allocators (glibc, glibc with huge pages, jemalloc,
+tcmalloc), each in a fresh process of benchmarks/bench_presets.py.
+
+    python benchmarks/bench_allocator.py [--presets fast94] [--set batch_size=2048] [--threads 1]
+
+Why: PyTorch has no caching allocator on the CPU, so every step frees and re-allocates activations of tens to
+hundreds of MB. glibc returns blocks that large to the kernel at once (mmap/munmap), and the next step pays a
+page fault per 4 KiB page to get them back. An allocator that keeps freed memory (jemalloc, tcmalloc) skips
+that. The allocator is chosen at process start (LD_PRELOAD), so each one runs in its own process.
+Appends one JSON line per allocator and preset to logs/bench_allocator.jsonl.
+"""
+import argparse
+import datetime
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import core  # noqa: E402
+
+LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
+# jemalloc keeps all freed pages (no decay) and serves even the largest blocks from its arenas.
+JEMALLOC_CONF = "oversize_threshold:1,background_thread:false,dirty_decay_ms:-1,muzzy_decay_ms:-1"
+
+
+def find_library(pattern):
+    for d in LIB_DIRS:
+        hits = sorted(glob.glob(os.path.join(d, pattern)))
+        if hits:
+            return hits[0]
+    return None
+
+
+def allocators():
+    """name -> extra environment, for the allocators present on this machine."""
+    out = {"glibc": {}, "glibc-hugetlb": {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}}
+    jemalloc = find_library("libjemalloc.so*")
+    if jemalloc:
+        out["jemalloc"] = {"LD_PRELOAD": jemalloc, "MALLOC_CONF": JEMALLOC_CONF}
+    tcmalloc = find_library("libtcmalloc_minimal.so*") or find_library("libtcmalloc.so*")
+    if tcmalloc:
+        out["tcmalloc"] = {"LD_PRELOAD": tcmalloc}
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--presets", nargs="+", default=["fast94"])
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to bench_presets.py")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for every run (default: torch's)")
+    p.add_argument("--allocators", nargs="+", default=None, help="default: every one found")
+    p.add_argument("--out", default=os.path.join(ROOT, "logs", "bench_allocator.jsonl"))
+    a = p.parse_args()
+    found = allocators()
+    names = a.allocators or list(found)
+    missing = [n for n in names if n not in found]
+    if missing:
+        p.error(f"allocator(s) not found on this machine: {', '.join(missing)} (found: {', '.join(found)}); "
+                "e.g. apt-get install libjemalloc2 libtcmalloc-minimal4")
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    table = core.Table(["allocator", "preset", "img/s", "±", "speed-up"], width=13)
+    base = {}
+    for name in names:
+        env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOC_CONF", "GLIBC_TUNABLES")}
+        env.update(found[name])
+        if a.threads:
+            env["OMP_NUM_THREADS"] = str(a.threads)
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_presets.py"), "--presets", *a.presets,
+                   "--steps", str(a.steps), "--repeats", str(a.repeats), "--log-dir", tmp]
+            for s in a.set:
+                cmd += ["--set", s]
+            run = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if run.returncode != 0:
+                sys.exit(f"bench_allocator: {name}: bench_presets.py failed:\n{run.stderr.strip()[-2000:]}")
+            (log,) = glob.glob(os.path.join(tmp, "bench_presets-*.json"))
+            with open(log) as f:
+                result = json.load(f)
+        for r in result["results"]:
+            rate = r["img_per_s"]
+            base.setdefault(r["preset"], rate[0])
+            table.row({"allocator": name, "preset": r["preset"], "img/s": round(rate[0]), "±": round(rate[1]),
+                       "speed-up": round(rate[0] / base[r["preset"]], 2)})
+            rec = dict(date=date, allocator=name, env={k: v for k, v in found[name].items()},
+                       hardware=result["hardware"], torch=result["torch"], commit=result["commit"],
+                       threads=result.get("threads"), steps=a.steps, repeats=a.repeats, preset=r["preset"],
+                       overrides=r.get("overrides", {}), precision=r["precision"], batch_size=r["batch_size"],
+                       img_per_s=rate)
+            if a.out:
+                os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+                with open(a.out, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+    if a.out:
+        print(f"appended to {a.out}")
+
+
+if __name__ == "__main__":
+    main()
