@@ -21,27 +21,17 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import core  # noqa: E402
+import torch_backend as tb  # noqa: E402
 
-LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
-# jemalloc keeps all freed pages (no decay) and serves even the largest blocks from its arenas.
-JEMALLOC_CONF = "oversize_threshold:1,background_thread:false,dirty_decay_ms:-1,muzzy_decay_ms:-1"
-
-
-def find_library(pattern):
-    for d in LIB_DIRS:
-        hits = sorted(glob.glob(os.path.join(d, pattern)))
-        if hits:
-            return hits[0]
-    return None
 
 
 def allocators():
     """name -> extra environment, for the allocators present on this machine."""
     out = {"glibc": {}, "glibc-hugetlb": {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}}
-    jemalloc = find_library("libjemalloc.so*")
+    jemalloc = tb.find_allocator_library("jemalloc")
     if jemalloc:
-        out["jemalloc"] = {"LD_PRELOAD": jemalloc, "MALLOC_CONF": JEMALLOC_CONF}
-    tcmalloc = find_library("libtcmalloc_minimal.so*") or find_library("libtcmalloc.so*")
+        out["jemalloc"] = {"LD_PRELOAD": jemalloc, "MALLOC_CONF": tb.JEMALLOC_CONF}
+    tcmalloc = tb.find_allocator_library("tcmalloc_minimal") or tb.find_allocator_library("tcmalloc")
     if tcmalloc:
         out["tcmalloc"] = {"LD_PRELOAD": tcmalloc}
     return out

@@ -124,6 +124,30 @@ def test_precision_resolution():
         tb.resolve_precision("fp16", cpu)
 
 
+ZEN3 = {"model name": "AMD EPYC", "cpu family": "25", "model": "1", "flags": "fpu sse2 avx avx2 fma"}
+ZEN4 = dict(ZEN3, model="17", flags="fpu sse2 avx avx2 fma avx512f avx512_bf16")
+
+
+@pytest.mark.parametrize("info, bf16, isa", [(ZEN3, False, "avx2"), (ZEN4, True, "avx512_bf16")])
+def test_cpu_precision_and_hardware_string_follow_the_cpu_flags(monkeypatch, info, bf16, isa):
+    # Two CPUs both called "AMD EPYC" run this project 4x apart (bf16 or not): logs must tell them apart.
+    monkeypatch.setattr(tb, "cpu_info", lambda: info)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    cpu = torch.device("cpu")
+    assert tb.cpu_has_bf16() is bf16
+    assert tb.resolve_precision("auto", cpu) == ("bf16" if bf16 else "fp32")
+    name = tb.device_name(cpu)
+    assert name.startswith("AMD EPYC (family 25 model " + info["model"] + ", " + isa + ", ")
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
+    assert tb.device_name(cpu).endswith(", jemalloc)") and tb.allocator_hint(cpu) is None
+
+
+def test_allocator_hint_only_for_cpu_runs_under_glibc(monkeypatch):
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    assert "LD_PRELOAD=" in tb.allocator_hint(torch.device("cpu"))
+    assert tb.allocator_hint(torch.device("cuda")) is None
+
+
 def test_lookahead_pulls_weights_towards_the_average():
     net = torch.nn.Linear(2, 2, bias=False)
     with torch.no_grad():
