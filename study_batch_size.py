@@ -24,8 +24,8 @@ Output in OUT (default logs/batch-size-<workload>-<optimizer>/):
 
 Regimes (analyse()): the ideal line is steps = s0 * b0 / b through the smallest batch size that reached the
 target. Perfect scaling lasts while the best steps stay within PERFECT_TOL above that line. The maximal useful
-batch size is the smallest b beyond which no larger batch size cuts steps by USEFUL_TOL or more per doubling;
-between the two lies the region of diminishing returns.
+batch size is the smallest b beyond which no larger batch size cuts steps by USEFUL_TOL or more per doubling,
+beyond what the evaluation interval can hide; between the two lies the region of diminishing returns.
 """
 import argparse
 import collections
@@ -396,17 +396,20 @@ def best_per_batch(records):
 
 
 def analyse(points, perfect_tol=PERFECT_TOL, useful_tol=USEFUL_TOL):
-    """Regimes of a steps-to-target curve. points: (batch_size, steps or None); None (target never reached)
-    counts as infinitely many steps.
+    """Regimes of a steps-to-target curve. points: (batch_size, steps or None[, resolution]); None (target never
+    reached) counts as infinitely many steps. resolution (default 0) is the evaluation interval: a trial that
+    reports s steps met the target somewhere in (s - resolution, s].
 
     ideal: steps = s0 * b0 / b through the smallest batch size b0 that reached the target.
     perfect_end: the largest b such that every batch size from b0 to b needs at most (1 + perfect_tol) x ideal.
-    max_useful: the smallest b such that every larger b' cuts steps by less than useful_tol per doubling,
-        s(b') > s(b) * (1 - useful_tol) ** log2(b' / b); a noisy point in the middle does not end the search while
+    max_useful: the smallest b such that no larger b' cuts steps by useful_tol or more per doubling beyond what
+        the evaluation interval can hide, s(b') > (s(b) - resolution(b)) * (1 - useful_tol) ** log2(b' / b) (at
+        batch 1024, 100 steps measured every 10 against 90 at 2048 is no measured cut); a noisy point in the middle does not end the search while
         larger batches still pay off. At least perfect_end. beyond_range: max_useful is the largest batch size
         that reached the target and nothing larger was measured, i.e. the curve was not seen to flatten.
     diminishing: the batch sizes in (perfect_end, max_useful]."""
-    pts = sorted((int(b), math.inf if s is None else float(s)) for b, s in points)
+    resolution = {int(p[0]): float(p[2]) if len(p) > 2 and p[2] else 0.0 for p in points}
+    pts = sorted((int(b), math.inf if s is None else float(s)) for b, s, *_ in points)
     finite = [(b, s) for b, s in pts if math.isfinite(s)]
     result = dict(perfect_tol=perfect_tol, useful_tol=useful_tol, anchor=None, perfect_end=None, max_useful=None,
                   beyond_range=None, diminishing=[], points=[])
@@ -423,7 +426,8 @@ def analyse(points, perfect_tol=PERFECT_TOL, useful_tol=USEFUL_TOL):
         perfect_end = b
     max_useful = finite[-1][0]
     for i, (b, s) in enumerate(later):
-        if math.isfinite(s) and all(s2 > s * (1 - useful_tol) ** math.log2(b2 / b) for b2, s2 in later[i + 1:]):
+        floor = s - resolution[b]  # the fewest steps b may truly have needed
+        if math.isfinite(s) and all(s2 > floor * (1 - useful_tol) ** math.log2(b2 / b) for b2, s2 in later[i + 1:]):
             max_useful = b
             break
     max_useful = max(max_useful, perfect_end)
@@ -464,7 +468,7 @@ def lr_trend(batch_sizes, lrs):
 def summarise(records):
     """Rows per batch size, regimes of the best-steps curve and the LR trends (all points, perfect region)."""
     rows = best_per_batch(records)
-    regimes = analyse([(r["batch_size"], r["best_steps"]) for r in rows])
+    regimes = analyse([(r["batch_size"], r["best_steps"], r["eval_every_steps"]) for r in rows])
     by_b = {p["batch_size"]: p for p in regimes["points"]}
     for r in rows:
         p = by_b[r["batch_size"]]

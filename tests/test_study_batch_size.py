@@ -63,6 +63,14 @@ def test_a_noisy_point_does_not_end_the_useful_region_early():
     assert r["perfect_end"] == 256 and r["max_useful"] == 2048 and r["diminishing"] == [512, 1024, 2048]
 
 
+def test_a_cut_within_the_evaluation_interval_does_not_extend_the_useful_region():
+    # Measured every 10 steps, 100 at 1024 may really be 91: 90 at 2048 is no measured 10% cut, 80 would be.
+    flat = [(256, 400, 20), (512, 200, 10), (1024, 100, 10), (2048, 90, 10)]
+    assert sbs.analyse(flat)["max_useful"] == 1024
+    assert sbs.analyse([p[:2] for p in flat])["max_useful"] == 2048  # without the resolution it would count
+    assert sbs.analyse(flat[:3] + [(2048, 80, 10)])["max_useful"] == 2048
+
+
 @pytest.mark.parametrize("slope, closer", [(1.0, "linear (1)"), (0.5, "square root (0.5)"), (0.8, "linear (1)")])
 def test_lr_trend_recovers_the_slope(slope, closer):
     rng = np.random.default_rng(0)
