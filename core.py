@@ -2,7 +2,9 @@
 import ast
 import json
 import math
+import contextlib
 import os
+import signal
 import subprocess
 import time
 
@@ -126,6 +128,20 @@ def parse_overrides(items):
         except (ValueError, SyntaxError):
             out[key.strip().replace("-", "_")] = value
     return out
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """SIGTERM (kill's default, and what batch schedulers send) raises KeyboardInterrupt in the main thread while
+    this is active, so a long job stops the way Ctrl-C stops it: finished work saved, summary written. Under
+    nohup and in background jobs of a script SIGINT is ignored, so kill -TERM is the signal that reaches them."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def git_commit(directory=None):

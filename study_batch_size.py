@@ -404,8 +404,8 @@ def analyse(points, perfect_tol=PERFECT_TOL, useful_tol=USEFUL_TOL):
     perfect_end: the largest b such that every batch size from b0 to b needs at most (1 + perfect_tol) x ideal.
     max_useful: the smallest b such that no larger b' cuts steps by useful_tol or more per doubling beyond what
         the evaluation interval can hide, s(b') > (s(b) - resolution(b)) * (1 - useful_tol) ** log2(b' / b) (at
-        batch 1024, 100 steps measured every 10 against 90 at 2048 is no measured cut); a noisy point in the middle does not end the search while
-        larger batches still pay off. At least perfect_end. beyond_range: max_useful is the largest batch size
+        batch 1024, 100 steps measured every 10 against 90 at 2048 is no measured cut); a noisy point in the
+        middle does not end the search while larger batches still pay off. At least perfect_end. beyond_range: max_useful is the largest batch size
         that reached the target and nothing larger was measured, i.e. the curve was not seen to flatten.
     diminishing: the batch sizes in (perfect_end, max_useful]."""
     resolution = {int(p[0]): float(p[2]) if len(p) > 2 and p[2] else 0.0 for p in points}
@@ -746,8 +746,9 @@ def cmd_run(parser, args):
     log = print if args.verbose else (lambda *a: None)
     status = "complete"
     try:
-        run_study(specs, lambda s: run_trial(s, data, w["preset"], device, log), path, settings,
-                  log=lambda m: print(m, flush=True))
+        with core.sigterm_as_interrupt():
+            run_study(specs, lambda s: run_trial(s, data, w["preset"], device, log), path, settings,
+                      log=lambda m: print(m, flush=True))
     except StudyError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     except KeyboardInterrupt:

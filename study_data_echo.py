@@ -423,18 +423,20 @@ def main(argv=None):
     log = print if args.verbose else (lambda *a: None)
     t0, walls = time.perf_counter(), []
     try:
-        for i, (mode, factor, seed) in enumerate(todo, 1):
-            rec = one_run(args, workload, data, device, mode, factor, seed, log)
-            append_result(results_path, rec)
-            walls.append(rec["wall_s"])
-            eta = sum(walls) / len(walls) * (len(todo) - i)
-            if rec["reached"]:
-                what = (f"reached at step {rec['steps_to_target']} (epoch {rec['epochs_to_target']:.2f}), "
-                        f"fresh {rec['fresh_to_target']:,}, {rec['time_to_target_s']:.1f} s to target")
-            else:
-                what = "DIVERGED" if rec["diverged"] else f"did not reach {rec['target']:g} (acc {rec['accuracy']:.4f})"
-            print(f"[{i}/{len(todo)}] {mode:>18} e={factor:<4g} seed {seed}: {what} (run {rec['wall_s']:.0f} s) | "
-                  f"elapsed {fmt_duration(time.perf_counter() - t0)}, ETA {fmt_duration(eta)}", flush=True)
+        with core.sigterm_as_interrupt():
+            for i, (mode, factor, seed) in enumerate(todo, 1):
+                rec = one_run(args, workload, data, device, mode, factor, seed, log)
+                append_result(results_path, rec)
+                walls.append(rec["wall_s"])
+                eta = sum(walls) / len(walls) * (len(todo) - i)
+                if rec["reached"]:
+                    what = (f"reached at step {rec['steps_to_target']} (epoch {rec['epochs_to_target']:.2f}), "
+                            f"fresh {rec['fresh_to_target']:,}, {rec['time_to_target_s']:.1f} s to target")
+                else:
+                    what = ("DIVERGED" if rec["diverged"] else
+                            f"did not reach {rec['target']:g} (acc {rec['accuracy']:.4f})")
+                print(f"[{i}/{len(todo)}] {mode:>18} e={factor:<4g} seed {seed}: {what} (run {rec['wall_s']:.0f} s) | "
+                      f"elapsed {fmt_duration(time.perf_counter() - t0)}, ETA {fmt_duration(eta)}", flush=True)
     except KeyboardInterrupt:
         print("\ninterrupted: the run in flight is lost, finished runs are kept; run the same command to resume",
               flush=True)

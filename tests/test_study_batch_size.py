@@ -308,3 +308,31 @@ def test_command_line_runs_resumes_and_plots(tmp_path, capsys):
 def test_options_the_study_sets_per_trial_cannot_be_overridden():
     with pytest.raises(sbs.StudyError, match="momentum"):
         sbs.study_settings("cpu", "sgd", overrides=dict(momentum=0.9))
+
+
+def test_sigterm_stops_a_study_like_ctrl_c(tmp_path):
+    # Background jobs under nohup ignore SIGINT; kill's SIGTERM must still keep finished trials and the summary.
+    import signal
+    import subprocess
+    import sys
+    from conftest import ROOT
+    npz = tmp_path / "tiny.npz"
+    np.savez(npz, **synthetic(n_train=400, n_test=20))
+    out = tmp_path / "study"
+    proc = subprocess.Popen(
+        [sys.executable, "-u", "study_batch_size.py", "run", "--optimizer", "sgd", "--data", str(npz),
+         "--batch-sizes", "25", "--trials", "50", "--eval", "test", "--epochs", "2", "--evals-per-trial", "2",
+         "--target", "1.0", "--set", "widths=(8,16,16)", "--set", "precision=fp32", "--out", str(out)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:  # wait for the first finished trial
+        lines.append(line)
+        if line.startswith("[1/"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, "".join(lines) + rest
+    assert "interrupted" in rest
+    done = sbs.read_trials(str(out / "trials.jsonl"))
+    assert 1 <= len(done) < 50
+    assert json.loads((out / "summary.json").read_text())["status"] == "interrupted"
