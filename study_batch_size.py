@@ -13,11 +13,13 @@ few steps, reaches the target, or until its step budget runs out. Steps to targe
 trial's. Trials run trial-major (trial 0 at every batch size, then trial 1, ...), so an early stop already
 gives a rough curve. A resumed study must use the same settings (workload, optimizer, target, budget, search
 space, seed, --set); more batch sizes or trials may be added. Cost: a full cpu study (8 batch sizes x 8 trials)
-is estimated at 1-2 hours on an idle 2-core CPU (trials that miss the target run their whole budget).
+is estimated at 1-2 hours on an idle 2-core CPU (trials that miss the target run their whole budget). On a
+machine with several cores, N processes with --shard 0/N ... N-1/N share one study (OMP_NUM_THREADS=1 each).
 
 Output in OUT (default logs/batch-size-<workload>-<optimizer>/):
     trials.jsonl     one line per finished trial, appended and fsynced at once; run the same command again to
-                     resume (finished trials are skipped, a torn last line from a crash is dropped)
+                     resume (finished trials are skipped, a torn last line from a crash is dropped). With
+                     --shard K/N, trials-shardKofN.jsonl: one file per process, so no two write the same file.
     summary.tsv/json per batch size: best steps to target, its metaparameters, trials reaching the target;
                      the regimes and the learning-rate trend
     steps_to_target.png, best_lr.png
@@ -340,17 +342,43 @@ def describe(rec):
     return f"b={rec['batch_size']:<5} trial {rec['trial']}: {describe_params(rec['params'])}: {what}"
 
 
-def run_study(specs, trial_fn, path, settings, log=print):
-    """Runs the specs whose key is not yet in `path`, appending each record as soon as it finishes; returns
-    all records. A KeyboardInterrupt loses only the trial in flight and propagates. Records made with other
-    settings are an error: a resumed study must measure the same thing."""
+def trial_files(out):
+    """The trial files of an output folder: trials.jsonl, then the shards' trials-shard<K>of<N>.jsonl."""
+    names = [n for n in os.listdir(out) if n.startswith("trials") and n.endswith(".jsonl")] if os.path.isdir(out) else []
+    return [os.path.join(out, n) for n in sorted(names, key=lambda n: (n != "trials.jsonl", n))]
+
+
+def read_folder(out, warn=lambda m: print(m, file=sys.stderr)):
+    """Every trial of an output folder, over all its trial files; a trial found twice counts once (the first)."""
+    seen, records = {}, []
+    for path in trial_files(out):
+        for r in read_trials(path, warn=warn):
+            key = trial_key(r)
+            if key in seen:
+                if seen[key] != r:
+                    warn(f"warning: {path}: trial {key} differs from an earlier record of it; the earlier is kept")
+                continue
+            seen[key] = r
+            records.append(r)
+    return records
+
+
+def shard_path(out, shard):
+    return os.path.join(out, "trials.jsonl" if shard is None else f"trials-shard{shard[0]}of{shard[1]}.jsonl")
+
+
+def run_study(specs, trial_fn, path, settings, log=print, others=()):
+    """Runs the specs whose key is not yet in `path` (or in `others`, the records of other shards), appending
+    each record to `path` as soon as it finishes; returns the records of `path`. A KeyboardInterrupt loses only
+    the trial in flight and propagates. Records made with other settings are an error: a resumed study must
+    measure the same thing."""
     records = read_trials(path, repair=True)
-    other = [r for r in records if r.get("settings") != settings]
+    other = [r for r in records + list(others) if r.get("settings") != settings]
     if other:
         raise StudyError(f"{path} holds trials with other settings ({other[0].get('settings')}); use another --out")
-    done = {trial_key(r) for r in records}
+    done = {trial_key(r) for r in records + list(others)}
     todo = [s for s in specs if trial_key(s) not in done]
-    log(f"{len(done)} finished trial(s) in {path}, {len(todo)} to go")
+    log(f"{len(done)} finished trial(s) in {os.path.dirname(path) or '.'}, {len(todo)} of this run's to go")
     t0, walls = time.perf_counter(), collections.defaultdict(list)
     for i, spec in enumerate(todo, 1):
         rec = dict(trial_fn(spec), settings=settings)
@@ -615,9 +643,9 @@ def _finish_log_log_plot(fig, ax, batch_sizes, path):
 
 def load_dir(d):
     """(label, records) of one output folder: the records made with the settings of its summary (or its last)."""
-    records = read_trials(os.path.join(d, "trials.jsonl"))
+    records = read_folder(d)
     if not records:
-        raise StudyError(f"no trials in {os.path.join(d, 'trials.jsonl')}")
+        raise StudyError(f"no trials in {d}")
     settings = records[-1]["settings"]
     records = [r for r in records if r.get("settings") == settings]
     return f"{settings['workload']}/{settings['optimizer']}", settings, records
@@ -687,6 +715,9 @@ def parse_args(argv):
     r.add_argument("--train-subset", type=int, default=0, metavar="N", help="train on a fixed random N images (smoke tests)")
     r.add_argument("--device", default=None)
     r.add_argument("--out", default=None, help="output folder (default logs/batch-size-<workload>-<optimizer>)")
+    r.add_argument("--shard", default=None, metavar="K/N",
+                   help="run every N-th trial of the plan, from the K-th (0-based), into trials-shardKofN.jsonl of "
+                        "the same folder: N processes with K = 0..N-1 share a study; each skips what any has done")
     r.add_argument("--dry-run", action="store_true", help="print the planned trials and exit")
     r.add_argument("--verbose", action="store_true", help="print every trial's training log")
     q = sub.add_parser("plot", help="summaries and plots of one or several output folders (one curve each)")
@@ -698,6 +729,11 @@ def parse_args(argv):
         args.batch_sizes = sorted(set(args.batch_sizes or w["batch_sizes"]))
         if min(args.batch_sizes) < 1 or args.trials < 1:
             p.error("batch sizes and --trials must be positive")
+        if args.shard is not None:
+            k, sep, n = args.shard.partition("/")
+            if not (sep and k.isdigit() and n.isdigit() and 0 <= int(k) < int(n)):
+                p.error(f"--shard expects K/N with 0 <= K < N, got {args.shard!r}")
+            args.shard = (int(k), int(n))
         try:
             args.settings = study_settings(args.workload, args.optimizer, args.target, args.eval, args.holdout,
                                            args.epochs, args.min_steps, args.evals_per_trial, args.seed,
@@ -716,7 +752,8 @@ def cmd_run(parser, args):
     settings = args.settings
     if args.dry_run:
         n = (args.train_subset or 50000) - settings["holdout"]
-        for spec in plan(settings, args.batch_sizes, args.trials, n):
+        specs = plan(settings, args.batch_sizes, args.trials, n)
+        for spec in specs[args.shard[0]::args.shard[1]] if args.shard else specs:
             print(f"b={spec['batch_size']:<5} trial {spec['trial']}: {describe_params(spec['params'])}; budget "
                   f"{spec['budget_steps']} steps ({spec['budget_epochs']:.2f} epochs), eval every "
                   f"{spec['eval_every_steps']}")
@@ -737,8 +774,11 @@ def cmd_run(parser, args):
                        f"{n_train} training images left (holdout {settings['holdout']})\n")
     device = torch.device(args.device) if args.device else tb.default_device()
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "trials.jsonl")
+    path = shard_path(args.out, args.shard)
     specs = plan(settings, args.batch_sizes, args.trials, n_train)
+    if args.shard:  # every N-th trial of the trial-major plan, so each shard spans all batch sizes
+        specs = specs[args.shard[0]::args.shard[1]]
+    others = [r for p in trial_files(args.out) if p != path for r in read_trials(p)]
     w = WORKLOADS[args.workload]
     print(f"study: {args.workload} ({w['about']}), {args.optimizer} ({OPTIMIZERS[args.optimizer].about}), "
           f"target {settings['target']:g} on the {settings['eval']} set, batch sizes "
@@ -748,19 +788,20 @@ def cmd_run(parser, args):
     try:
         with core.sigterm_as_interrupt():
             run_study(specs, lambda s: run_trial(s, data, w["preset"], device, log), path, settings,
-                      log=lambda m: print(m, flush=True))
+                      log=lambda m: print(m, flush=True), others=others)
     except StudyError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     except KeyboardInterrupt:
         status = "interrupted"
         print("\ninterrupted: the trial in flight is lost, finished trials are kept; run the same command to resume",
               flush=True)
-    records = [r for r in read_trials(path) if r.get("settings") == settings]
+    records = [r for r in read_folder(args.out) if r.get("settings") == settings]
     if records:
         rows, regimes, trend = write_summary(args.out, settings, records, status)
         report(rows, regimes, trend)
         pngs = plot([(f"{args.workload}/{args.optimizer}", rows, regimes, trend)], args.out)
-        print(f"wrote {path}, {os.path.join(args.out, 'summary.tsv')}, summary.json, {', '.join(pngs)}", flush=True)
+        print(f"wrote {path}, {os.path.join(args.out, 'summary.tsv')} (all {len(records)} trials in the folder), "
+              f"summary.json, {', '.join(pngs)}", flush=True)
     if status == "interrupted":
         sys.exit(130)
 

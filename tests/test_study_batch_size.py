@@ -336,3 +336,38 @@ def test_sigterm_stops_a_study_like_ctrl_c(tmp_path):
     done = sbs.read_trials(str(out / "trials.jsonl"))
     assert 1 <= len(done) < 50
     assert json.loads((out / "summary.json").read_text())["status"] == "interrupted"
+
+
+def test_shards_split_the_plan_and_share_one_folder(tmp_path, capsys):
+    npz = tmp_path / "tiny.npz"
+    np.savez(npz, **synthetic(n_train=200, n_test=20))
+    out = tmp_path / "study"
+    argv = ["run", "--optimizer", "sgd", "--data", str(npz), "--batch-sizes", "25", "50", "--trials", "2",
+            "--eval", "test", "--epochs", "1", "--min-steps", "4", "--evals-per-trial", "2", "--target", "0.01",
+            "--set", "widths=(8,16,16)", "--set", "precision=fp32", "--out", str(out)]
+    sbs.main(argv + ["--shard", "1/2"])
+    shard1 = sbs.read_trials(str(out / "trials-shard1of2.jsonl"))
+    assert [(r["batch_size"], r["trial"]) for r in shard1] == [(50, 0), (50, 1)]  # plan items 1 and 3
+    sbs.main(argv)  # unsharded: runs only what no shard has done
+    assert "2 finished trial(s)" in capsys.readouterr().out
+    assert [(r["batch_size"], r["trial"]) for r in sbs.read_trials(str(out / "trials.jsonl"))] == [(25, 0), (25, 1)]
+    assert len(sbs.read_folder(str(out))) == 4
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["trials"] == 4 and [r["trials"] for r in summary["rows"]] == [2, 2]
+    sbs.main(argv + ["--shard", "0/2"])  # everything is done
+    assert not (out / "trials-shard0of2.jsonl").exists() or not sbs.read_trials(str(out / "trials-shard0of2.jsonl"))
+    with pytest.raises(SystemExit):
+        sbs.main(argv + ["--shard", "2/2"])
+
+
+def test_a_trial_found_in_two_files_counts_once(tmp_path):
+    rec = dict(workload="cpu", optimizer="sgd", batch_size=16, trial=0, reached=True, steps_to_target=5)
+    for name, recs in (("trials.jsonl", [rec]), ("trials-shard0of2.jsonl", [rec, dict(rec, trial=1)]),
+                       ("trials-shard1of2.jsonl", [dict(rec, steps_to_target=7)])):
+        sbs.append_trial(str(tmp_path / name), recs[0])
+        for r in recs[1:]:
+            sbs.append_trial(str(tmp_path / name), r)
+    warnings = []
+    records = sbs.read_folder(str(tmp_path), warn=warnings.append)
+    assert [(r["trial"], r["steps_to_target"]) for r in records] == [(0, 5), (1, 5)]
+    assert len(warnings) == 1 and "differs" in warnings[0]
