@@ -570,6 +570,11 @@ def plot(curves, out_dir):
         c = colors[i % len(colors)]
         ok = [r for r in rows if r["best_steps"] is not None]
         ax.plot([r["batch_size"] for r in ok], [r["best_steps"] for r in ok], "o-", color=c, label=label)
+        # The target was met somewhere in (steps - eval interval, steps]: show that interval.
+        lower = [min(r["eval_every_steps"], r["best_steps"] - 1) for r in ok]
+        ax.errorbar([r["batch_size"] for r in ok], [r["best_steps"] for r in ok], yerr=[lower, [0] * len(ok)],
+                    fmt="none", ecolor=c, elinewidth=1, capsize=3,
+                    label="evaluation interval (target met within)" if i == 0 else None)
         missed = [r for r in rows if r["best_steps"] is None]
         if missed:
             ax.plot([r["batch_size"] for r in missed], [r["budget_steps"] for r in missed], "^", color=c, mfc="none",
