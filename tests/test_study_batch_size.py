@@ -287,13 +287,18 @@ def test_a_diverging_trial_is_recorded_as_diverged():
     assert rec["diverged"] and not rec["reached"] and "diverged" in rec["error"]
 
 
-def test_command_line_runs_resumes_and_plots(tmp_path, capsys):
+def tiny_study(tmp_path):
+    """(output folder, argv) of a 4-trial study on 200 synthetic images: 2 batch sizes x 2 trials."""
     npz = tmp_path / "tiny.npz"
     np.savez(npz, **synthetic(n_train=200, n_test=20))
     out = tmp_path / "study"
-    argv = ["run", "--optimizer", "sgd", "--data", str(npz), "--batch-sizes", "25", "50", "--trials", "2",
-            "--eval", "test", "--epochs", "1", "--min-steps", "4", "--evals-per-trial", "2", "--target", "0.01",
-            "--set", "widths=(8,16,16)", "--set", "precision=fp32", "--out", str(out)]
+    return out, ["run", "--optimizer", "sgd", "--data", str(npz), "--batch-sizes", "25", "50", "--trials", "2",
+                 "--eval", "test", "--epochs", "1", "--min-steps", "4", "--evals-per-trial", "2", "--target", "0.01",
+                 "--set", "widths=(8,16,16)", "--set", "precision=fp32", "--out", str(out)]
+
+
+def test_command_line_runs_resumes_and_plots(tmp_path, capsys):
+    out, argv = tiny_study(tmp_path)
     sbs.main(argv)
     assert "[4/4]" in capsys.readouterr().out
     assert len(sbs.read_trials(str(out / "trials.jsonl"))) == 4
@@ -339,12 +344,7 @@ def test_sigterm_stops_a_study_like_ctrl_c(tmp_path):
 
 
 def test_shards_split_the_plan_and_share_one_folder(tmp_path, capsys):
-    npz = tmp_path / "tiny.npz"
-    np.savez(npz, **synthetic(n_train=200, n_test=20))
-    out = tmp_path / "study"
-    argv = ["run", "--optimizer", "sgd", "--data", str(npz), "--batch-sizes", "25", "50", "--trials", "2",
-            "--eval", "test", "--epochs", "1", "--min-steps", "4", "--evals-per-trial", "2", "--target", "0.01",
-            "--set", "widths=(8,16,16)", "--set", "precision=fp32", "--out", str(out)]
+    out, argv = tiny_study(tmp_path)
     sbs.main(argv + ["--shard", "1/2"])
     shard1 = sbs.read_trials(str(out / "trials-shard1of2.jsonl"))
     assert [(r["batch_size"], r["trial"]) for r in shard1] == [(50, 0), (50, 1)]  # plan items 1 and 3
