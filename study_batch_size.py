@@ -344,7 +344,9 @@ def describe(rec):
 
 def trial_files(out):
     """The trial files of an output folder: trials.jsonl, then the shards' trials-shard<K>of<N>.jsonl."""
-    names = [n for n in os.listdir(out) if n.startswith("trials") and n.endswith(".jsonl")] if os.path.isdir(out) else []
+    if not os.path.isdir(out):
+        return []
+    names = [n for n in os.listdir(out) if n.startswith("trials") and n.endswith(".jsonl")]
     return [os.path.join(out, n) for n in sorted(names, key=lambda n: (n != "trials.jsonl", n))]
 
 
@@ -433,8 +435,9 @@ def analyse(points, perfect_tol=PERFECT_TOL, useful_tol=USEFUL_TOL):
     max_useful: the smallest b such that no larger b' cuts steps by useful_tol or more per doubling beyond what
         the evaluation interval can hide, s(b') > (s(b) - resolution(b)) * (1 - useful_tol) ** log2(b' / b) (at
         batch 1024, 100 steps measured every 10 against 90 at 2048 is no measured cut); a noisy point in the
-        middle does not end the search while larger batches still pay off. At least perfect_end. beyond_range: max_useful is the largest batch size
-        that reached the target and nothing larger was measured, i.e. the curve was not seen to flatten.
+        middle does not end the search while larger batches still pay off. At least perfect_end. beyond_range:
+        max_useful is the largest batch size that reached the target and nothing larger was measured, i.e. the
+        curve was not seen to flatten.
     diminishing: the batch sizes in (perfect_end, max_useful]."""
     resolution = {int(p[0]): float(p[2]) if len(p) > 2 and p[2] else 0.0 for p in points}
     pts = sorted((int(b), math.inf if s is None else float(s)) for b, s, *_ in points)
@@ -812,14 +815,24 @@ def cmd_run(parser, args):
 
 
 def cmd_plot(parser, args):
-    curves = []
+    """One curve per distinct settings: folders measured with the same settings (one study run into several
+    folders, e.g. more batch sizes added later) join into one curve; a trial found twice counts once."""
+    groups = {}  # settings (as JSON) -> [folders, label, settings, records by key]
     for d in args.dirs:
         try:
             label, settings, records = load_dir(d)
         except StudyError as e:
             parser.exit(2, f"{parser.prog}: error: {e}\n")
+        g = groups.setdefault(json.dumps(settings, sort_keys=True), [[], label, settings, {}])
+        g[0].append(d)
+        for r in records:
+            g[3].setdefault(trial_key(r), r)
+    curves = []
+    for dirs, label, settings, by_key in groups.values():
+        records = list(by_key.values())
         rows, regimes, trend = summarise(records)
-        print(f"\n{d}: {label}, target {settings['target']:g} ({settings['eval']}), {len(records)} trials")
+        print(f"\n{' + '.join(dirs)}: {label}, target {settings['target']:g} ({settings['eval']}), "
+              f"{len(records)} trials")
         report(rows, regimes, trend)
         curves.append((label, rows, regimes, trend))
     out = args.out or (args.dirs[0] if len(args.dirs) == 1 else os.path.join("logs", "batch-size-plots"))

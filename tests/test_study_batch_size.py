@@ -371,3 +371,18 @@ def test_a_trial_found_in_two_files_counts_once(tmp_path):
     records = sbs.read_folder(str(tmp_path), warn=warnings.append)
     assert [(r["trial"], r["steps_to_target"]) for r in records] == [(0, 5), (1, 5)]
     assert len(warnings) == 1 and "differs" in warnings[0]
+
+
+def test_plot_joins_folders_of_one_study_into_one_curve(tmp_path, capsys):
+    # One study run into two folders (more batch sizes added later) is one curve; a copied trial counts once.
+    out, argv = tiny_study(tmp_path)
+    sbs.main(argv)
+    more = tmp_path / "more"
+    more_argv = [more if a == str(out) else a for a in argv]
+    more_argv[more_argv.index("25"):more_argv.index("50") + 1] = ["100"]
+    sbs.main([str(a) for a in more_argv])
+    sbs.append_trial(str(more / "trials.jsonl"), sbs.read_trials(str(out / "trials.jsonl"))[0])
+    capsys.readouterr()
+    sbs.main(["plot", str(out), str(more), "--out", str(tmp_path / "plots")])
+    printed = capsys.readouterr().out
+    assert f"{out} + {more}: cpu/sgd" in printed and "6 trials" in printed
