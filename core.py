@@ -1,8 +1,8 @@
 """Pieces that do not depend on PyTorch: schedules, timing, tables, statistics, logs."""
 import ast
 import json
-import math
 import contextlib
+import math
 import os
 import signal
 import subprocess

@@ -238,9 +238,11 @@ def make_trial(settings, batch_size, trial, n_train):
                 lr_window=list(lr_window(batch_size, space, **window)), train=train)
 
 
-def plan(settings, batch_sizes, trials, n_train):
-    """Trial-major order: trial 0 at every batch size, then trial 1, ... (a partial study is a rough curve)."""
-    return [make_trial(settings, b, t, n_train) for t in range(trials) for b in sorted(batch_sizes)]
+def plan(settings, batch_sizes, trials, n_train, shard=None):
+    """Trial-major order: trial 0 at every batch size, then trial 1, ... (a partial study is a rough curve).
+    shard (K, N): every N-th trial from the K-th, so each of N shards spans all batch sizes."""
+    specs = [make_trial(settings, b, t, n_train) for t in range(trials) for b in sorted(batch_sizes)]
+    return specs[shard[0]::shard[1]] if shard else specs
 
 
 def run_trial(spec, data, preset, device=None, log=lambda *a: None):
@@ -375,10 +377,11 @@ def run_study(specs, trial_fn, path, settings, log=print, others=()):
     the trial in flight and propagates. Records made with other settings are an error: a resumed study must
     measure the same thing."""
     records = read_trials(path, repair=True)
-    other = [r for r in records + list(others) if r.get("settings") != settings]
+    known = records + list(others)
+    other = [r for r in known if r.get("settings") != settings]
     if other:
         raise StudyError(f"{path} holds trials with other settings ({other[0].get('settings')}); use another --out")
-    done = {trial_key(r) for r in records + list(others)}
+    done = {trial_key(r) for r in known}
     todo = [s for s in specs if trial_key(s) not in done]
     log(f"{len(done)} finished trial(s) in {os.path.dirname(path) or '.'}, {len(todo)} of this run's to go")
     t0, walls = time.perf_counter(), collections.defaultdict(list)
@@ -760,8 +763,7 @@ def cmd_run(parser, args):
     settings = args.settings
     if args.dry_run:
         n = (args.train_subset or 50000) - settings["holdout"]
-        specs = plan(settings, args.batch_sizes, args.trials, n)
-        for spec in specs[args.shard[0]::args.shard[1]] if args.shard else specs:
+        for spec in plan(settings, args.batch_sizes, args.trials, n, args.shard):
             print(f"b={spec['batch_size']:<5} trial {spec['trial']}: {describe_params(spec['params'])}; budget "
                   f"{spec['budget_steps']} steps ({spec['budget_epochs']:.2f} epochs), eval every "
                   f"{spec['eval_every_steps']}")
@@ -783,9 +785,7 @@ def cmd_run(parser, args):
     device = torch.device(args.device) if args.device else tb.default_device()
     os.makedirs(args.out, exist_ok=True)
     path = shard_path(args.out, args.shard)
-    specs = plan(settings, args.batch_sizes, args.trials, n_train)
-    if args.shard:  # every N-th trial of the trial-major plan, so each shard spans all batch sizes
-        specs = specs[args.shard[0]::args.shard[1]]
+    specs = plan(settings, args.batch_sizes, args.trials, n_train, args.shard)
     others = [r for p in trial_files(args.out) if p != path for r in read_trials(p)]
     w = WORKLOADS[args.workload]
     print(f"study: {args.workload} ({w['about']}), {args.optimizer} ({OPTIMIZERS[args.optimizer].about}), "

@@ -236,10 +236,17 @@ def cpu_info():
     return info
 
 
+def cpu_flags(info=None):
+    """The CPU's feature flags (x86 "flags", Arm "Features"); None where /proc/cpuinfo has neither."""
+    info = cpu_info() if info is None else info
+    flags = info.get("flags", info.get("Features"))
+    return None if flags is None else set(flags.split())
+
+
 def cpu_has_bf16():
-    flags = cpu_info().get("flags")
+    flags = cpu_flags()
     if flags is not None:
-        return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
+        return bool({"avx512_bf16", "amx_bf16"} & flags)
     return torch.backends.mkldnn.is_available() and hasattr(torch.backends.cpu, "get_cpu_capability") and \
         "AVX512" in torch.backends.cpu.get_cpu_capability()
 
@@ -292,7 +299,7 @@ def device_name(device):
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     info = cpu_info()
-    flags = set(info.get("flags", info.get("Features", "")).split())
+    flags = cpu_flags(info) or set()
     parts = []
     if "cpu family" in info:
         parts.append(f"family {info['cpu family']} model {info.get('model', '?')}")
@@ -301,8 +308,9 @@ def device_name(device):
         parts.append(isa)
     threads = torch.get_num_threads()
     parts.append(f"{threads} thread{'s' if threads != 1 else ''}")
-    if preloaded_allocator():
-        parts.append(preloaded_allocator())
+    allocator = preloaded_allocator()
+    if allocator:
+        parts.append(allocator)
     return f"{info.get('model name', 'CPU')} ({', '.join(parts)})"
 
 

@@ -540,8 +540,9 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
     results = []
     log(f"preset {cfg['preset']} | {hardware} | {precision} | torch {torch.__version__} | "
         f"{flops_per_step * steps / 1e15:.3f} PFLOPs per run")
-    if tb.allocator_hint(device):
-        log(tb.allocator_hint(device))
+    hint = tb.allocator_hint(device)
+    if hint:
+        log(hint)
     try:
         for r in range(cfg["runs"]):
             try:

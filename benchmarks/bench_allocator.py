@@ -24,7 +24,6 @@ import core  # noqa: E402
 import torch_backend as tb  # noqa: E402
 
 
-
 def allocators():
     """name -> extra environment, for the allocators present on this machine."""
     out = {"glibc": {}, "glibc-hugetlb": {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}}
@@ -77,7 +76,7 @@ def main():
             base.setdefault(r["preset"], rate[0])
             table.row({"allocator": name, "preset": r["preset"], "img/s": round(rate[0]), "±": round(rate[1]),
                        "speed-up": round(rate[0] / base[r["preset"]], 2)})
-            rec = dict(date=date, allocator=name, env={k: v for k, v in found[name].items()},
+            rec = dict(date=date, allocator=name, env=dict(found[name]),
                        hardware=result["hardware"], torch=result["torch"], commit=result["commit"],
                        threads=result.get("threads"), steps=a.steps, repeats=a.repeats, preset=r["preset"],
                        overrides=r.get("overrides", {}), precision=r["precision"], batch_size=r["batch_size"],
