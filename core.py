@@ -1,7 +1,8 @@
 """Pieces that do not depend on PyTorch: schedules, timing, tables, statistics, logs."""
 import ast
-import json
 import contextlib
+import functools
+import json
 import math
 import os
 import signal
@@ -144,14 +145,17 @@ def sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
+@functools.lru_cache(maxsize=None)
 def git_commit(directory=None):
-    """The checked-out commit, with '+dirty' when tracked files differ from it; None outside git."""
+    """The commit checked out when this process first asked, with '+dirty' when tracked files outside logs/
+    differ from it; None outside git. Asked once per process: a long study whose checkout moves on while it
+    runs still reports the code it imported. Logs that a running study appends to do not make it dirty."""
     directory = directory or os.path.dirname(os.path.abspath(__file__))
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True,
                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=directory,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!logs"],
+                               cwd=directory, capture_output=True, text=True, check=True).stdout.strip()
         return sha + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return None

@@ -33,6 +33,9 @@ COMMON = dict(
     compile=False, widths=(),
     # Large batches and many devices (parallel.py). reference_batch_size 0 means the preset's own batch size.
     optimizer="sgd", trust_coefficient=0.001, lr_scaling="none", reference_batch_size=0, warmup_epochs=0.0,
+    # --optimizer muon: conv filters take orthogonalised updates (torch_backend.Muon) at muon_lr_scale times the
+    # schedule's LR, with their own momentum; the rest stays SGD. Defaults not tuned here yet (see README).
+    muon_lr_scale=0.16, muon_momentum=0.6, muon_fixed_norm=True,
     bn_group_size=0, sync_bn_group_size=0, allreduce="flat", allreduce_group_size=0,
     # Data echoing (pipeline.py): repeat upstream outputs echo_factor times on average.
     echo="none", echo_factor=1.0, echo_shuffle_buffer=0,
@@ -113,7 +116,8 @@ def check_config(cfg):
     need(cfg["tta"] in (0, 1, 2), "tta must be 0 (none), 1 (mirror) or 2 (mirror + translate)")
     need(cfg["precision"] in ("auto", "fp32", "bf16", "fp16"), "precision must be auto, fp32, bf16 or fp16")
     need(cfg["eval_every"] >= 0, "eval-every must be >= 0 (0: only at the end)")
-    need(cfg["optimizer"] in ("sgd", "lars"), "optimizer must be sgd or lars")
+    need(cfg["optimizer"] in ("sgd", "lars", "muon"), "optimizer must be sgd, lars or muon")
+    need(cfg["muon_lr_scale"] > 0 and 0 <= cfg["muon_momentum"] < 1, "need muon-lr-scale > 0, muon-momentum in [0, 1)")
     need(cfg["lr_scaling"] in parallel.SCALING_RULES, f"lr-scaling must be one of {', '.join(parallel.SCALING_RULES)}")
     need(cfg["reference_batch_size"] > 0 and cfg["warmup_epochs"] >= 0, "need reference-batch-size > 0, warmup-epochs >= 0")
     need(cfg["bn_group_size"] >= 0 and cfg["sync_bn_group_size"] >= 0 and cfg["allreduce_group_size"] >= 0,
@@ -179,6 +183,14 @@ def make_optimizer(cfg, model):
     if cfg["optimizer"] == "lars":  # BN parameters and biases (ndim 1) keep the plain LR
         return parallel.LARS(groups, lr=0.0, momentum=cfg["momentum"], nesterov=nesterov,
                              trust_coefficient=cfg["trust_coefficient"])
+    if cfg["optimizer"] == "muon":  # conv filters orthogonalised, the head and the biases as with SGD
+        filters = [p for p in slow if p.ndim == 4]
+        rest = [p for p in slow if p.ndim != 4]
+        groups = [dict(params=filters, lr_scale=cfg["muon_lr_scale"], momentum=cfg["muon_momentum"],
+                       orthogonalize=True, fixed_norm=cfg["muon_fixed_norm"], weight_decay=cfg["weight_decay"]),
+                  dict(params=rest, lr_scale=1.0, weight_decay=cfg["weight_decay"]),
+                  dict(params=fast, lr_scale=s, weight_decay=cfg["weight_decay"] / s)]
+        return tb.Muon([g for g in groups if g["params"]], lr=0.0, momentum=cfg["momentum"], nesterov=nesterov)
     return torch.optim.SGD(groups, lr=0.0, momentum=cfg["momentum"], nesterov=nesterov)
 
 
@@ -520,6 +532,7 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
     # Warm-up outside the timer: one counted step (FLOPs) and one plain step on a throwaway net.
     warm = build_model(cfg, device, on_device["train_x"])
     flops_per_step = train_flops(cfg, warm, device, precision, cfg["batch_size"])
+    flops_per_step += getattr(make_optimizer(cfg, warm), "update_flops", lambda: 0)()  # Muon's products
     train_flops(cfg, warm, device, precision, cfg["batch_size"])
     del warm
     steps = math.ceil(steps_per_epoch(cfg, len(data["train_y"])) * cfg["epochs"])

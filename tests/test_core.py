@@ -87,3 +87,28 @@ def test_sigterm_raises_keyboard_interrupt_only_inside_the_block():
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)  # the handler runs at the next bytecode; never reached
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_git_commit_ignores_logs_and_flags_code_changes(tmp_path):
+    import subprocess
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+    git("init", "-q")
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "trials.jsonl").write_text("{}\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", ".")
+    git("commit", "-q", "-m", "one")
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    core.git_commit.cache_clear()
+    (tmp_path / "logs" / "trials.jsonl").write_text("{}\n{}\n")  # a study appending to its log
+    assert core.git_commit(str(tmp_path)) == sha
+    core.git_commit.cache_clear()
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert core.git_commit(str(tmp_path)) == sha + "+dirty"
+    git("commit", "-q", "-am", "two")  # the checkout moves on; this process keeps reporting what it started with
+    assert core.git_commit(str(tmp_path)) == sha + "+dirty"
+    core.git_commit.cache_clear()
+    assert core.git_commit(str(tmp_path)) not in (sha, sha + "+dirty", None)

@@ -1,0 +1,114 @@
+"""The Muon optimizer (torch_backend.Muon) against float64 references of its formulas."""
+import numpy as np
+import pytest
+import torch
+
+import torch_backend as tb
+import train_cifar
+from conftest import synthetic
+
+
+def newton_schulz_reference(g, steps=5):
+    """float64: the iteration acts on each singular value alone, so apply the scalar polynomial to the
+    normalised singular values and put U and V back."""
+    a, b, c = tb.NEWTON_SCHULZ_COEFFICIENTS
+    u, s, vt = np.linalg.svd(np.asarray(g, dtype=np.float64), full_matrices=False)
+    s = s / np.linalg.norm(g)
+    for _ in range(steps):
+        s = a * s + b * s ** 3 + c * s ** 5
+    return (u * s) @ vt
+
+
+@pytest.mark.parametrize("shape", [(16, 40), (40, 16), (24, 24), (64, 576)])
+def test_newton_schulz_equals_the_singular_value_polynomial(shape):
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
+    out = tb.newton_schulz(g)
+    assert out.shape == g.shape
+    np.testing.assert_allclose(out.numpy(), newton_schulz_reference(g.numpy()), atol=2e-5)
+
+
+def test_newton_schulz_pushes_singular_values_towards_one():
+    # singular values 0.1 ... 10, so the smallest is 1/200 of the Frobenius norm: it ends near 0.7 like the rest;
+    # one at 1/5000 of the norm grows ~480x in 5 steps and stays well below
+    gen = torch.Generator().manual_seed(0)
+    q1, _ = torch.linalg.qr(torch.randn(32, 32, generator=gen))
+    q2, _ = torch.linalg.qr(torch.randn(96, 32, generator=gen))
+    s = torch.linalg.svdvals(tb.newton_schulz((q1 * torch.logspace(-1, 1, 32)) @ q2.T))
+    assert s.min() > 0.6 and s.max() < 1.25, s
+    s = torch.linalg.svdvals(tb.newton_schulz((q1 * torch.logspace(-2.5, 1, 32)) @ q2.T))
+    assert s.min() < 0.2 and s.max() < 1.25, s
+
+
+def muon_reference(w0, grads, lr, momentum, nesterov, weight_decay, fixed_norm):
+    """float64 Muon on one conv weight over a sequence of gradients."""
+    w, buf, norm = w0.astype(np.float64).copy(), None, np.linalg.norm(w0)
+    rows, cols = w.shape[0], w.size // w.shape[0]
+    for g in grads:
+        buf = g.copy() if buf is None else momentum * buf + g
+        u = g + momentum * buf if nesterov else buf
+        o = newton_schulz_reference(u.reshape(rows, cols)).reshape(w.shape)
+        w = w * (1 - lr * weight_decay) - lr * max(1.0, rows / cols) ** 0.5 * o
+        if fixed_norm:
+            w = w * norm / np.linalg.norm(w)
+    return w
+
+
+@pytest.mark.parametrize("nesterov,fixed_norm,shape", [(True, True, (8, 4, 3, 3)), (False, False, (64, 4, 1, 1))])
+def test_muon_step_matches_the_float64_reference(nesterov, fixed_norm, shape):
+    gen = torch.Generator().manual_seed(1)
+    w = torch.nn.Parameter(torch.randn(*shape, generator=gen))
+    w0 = w.detach().numpy().copy()
+    grads = [torch.randn(*shape, generator=gen) for _ in range(4)]
+    opt = tb.Muon([dict(params=[w], orthogonalize=True, fixed_norm=fixed_norm)], lr=0.05, momentum=0.6,
+                  nesterov=nesterov, weight_decay=0.1)
+    for g in grads:
+        w.grad = g.clone()
+        opt.step()
+    expected = muon_reference(w0, [g.numpy() for g in grads], 0.05, 0.6, nesterov, 0.1, fixed_norm)
+    np.testing.assert_allclose(w.detach().numpy(), expected, atol=2e-5)
+
+
+def test_muon_groups_without_orthogonalisation_are_exactly_sgd():
+    gen = torch.Generator().manual_seed(2)
+    params = [torch.nn.Parameter(torch.randn(5, 3, generator=gen)), torch.nn.Parameter(torch.randn(7, generator=gen))]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    muon = tb.Muon(params, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)
+    sgd = torch.optim.SGD(twins, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)
+    for _ in range(3):
+        for p, q in zip(params, twins):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        muon.step()
+        sgd.step()
+    for p, q in zip(params, twins):
+        assert torch.equal(p, q)
+
+
+def test_muon_update_flops_match_the_matmul_count():
+    w = torch.nn.Parameter(torch.zeros(16, 8, 3, 3))  # 16 x 72: gram 16x16
+    opt = tb.Muon([dict(params=[w], orthogonalize=True), dict(params=[torch.nn.Parameter(torch.zeros(3))])], lr=0.1)
+    r, c = 16, 72
+    assert opt.update_flops() == 5 * (2 * r * r * c + 2 * r * r * r + 2 * r * r * c)
+
+
+def test_train_with_muon_orthogonalises_the_filters_and_counts_their_flops():
+    cfg = train_cifar.make_config("fast94", widths=(8, 16, 16), optimizer="muon")
+    model = train_cifar.build_model(cfg, torch.device("cpu"))
+    opt = train_cifar.make_optimizer(cfg, model)
+    ortho = [g for g in opt.param_groups if g["orthogonalize"]]
+    filters = [m.weight for m in model.modules() if isinstance(m, torch.nn.Conv2d) and m.weight.requires_grad]
+    assert len(ortho) == 1 and len(ortho[0]["params"]) == len(filters) == 6
+    assert ortho[0]["momentum"] == cfg["muon_momentum"] and ortho[0]["lr_scale"] == cfg["muon_lr_scale"]
+    assert not any(p is model.whiten.weight for g in opt.param_groups for p in g["params"])  # frozen
+    common = dict(data=synthetic(400, 100), widths=(8, 16, 16), epochs=2, batch_size=100, log=lambda *a: None)
+    sgd = train_cifar.train("fast94", **common)
+    muon = train_cifar.train("fast94", optimizer="muon", **common)
+    assert muon["train_flops_per_step"] - sgd["train_flops_per_step"] == opt.update_flops() > 0
+    assert all(np.isfinite(r["accuracy"]) for r in muon["runs"])
+
+
+def test_muon_options_are_checked():
+    with pytest.raises(ValueError, match="muon-momentum"):
+        train_cifar.make_config("fast94", optimizer="muon", muon_momentum=1.0)
+    with pytest.raises(ValueError, match="optimizer must be"):
+        train_cifar.make_config("fast94", optimizer="adam")
