@@ -403,6 +403,39 @@ def patch_whitening(images_nchw, patch=2, eps=5e-4):
     return torch.cat([w, -w])
 
 
+class ResNet9Tricks(nn.Module):
+    """Myrtle's "bag of tricks" ResNet-9 (post 8 of "How to train your ResNet"): a frozen 3x3 patch-whitening
+    conv, a 1x1 prep conv, max-pools moved before batch norm (pooling first is 4x cheaper), CELU activations and
+    BN scales frozen at 1. Otherwise the layout of resnet9: residual blocks after the 1st and 3rd pooled layers."""
+
+    def __init__(self, widths=(64, 128, 256, 512), head_scale=0.125, celu_alpha=0.3, whiten_patch=3):
+        super().__init__()
+        w0, w1, w2, w3 = widths
+        k = 3 * whiten_patch * whiten_patch
+        self.whiten = nn.Conv2d(3, k, whiten_patch, padding=whiten_patch // 2, bias=False)
+        self.whiten.weight.requires_grad_(False)
+
+        def block(c_in, c_out, size=3, pool=False):
+            bn = nn.BatchNorm2d(c_out)
+            bn.weight.requires_grad_(False)
+            conv = nn.Conv2d(c_in, c_out, size, padding=size // 2, bias=False)
+            return nn.Sequential(conv, *([nn.MaxPool2d(2)] if pool else []), bn, nn.CELU(celu_alpha))
+        self.body = nn.Sequential(
+            block(k, w0, size=1),
+            block(w0, w1, pool=True), Residual(block(w1, w1), block(w1, w1)),
+            block(w1, w2, pool=True),
+            block(w2, w3, pool=True), Residual(block(w3, w3), block(w3, w3)),
+            nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(w3, NUM_CLASSES, bias=False), Scale(head_scale))
+
+    def init_whitening(self, images_nchw):
+        with torch.no_grad():  # eps 1e-2 as in Myrtle's post: the smallest eigenvalues are not blown up
+            w = patch_whitening(images_nchw, self.whiten.kernel_size[0], eps=1e-2)
+            self.whiten.weight.copy_(w[:self.whiten.out_channels])
+
+    def forward(self, x):
+        return self.body(self.whiten(x))
+
+
 class FastNet(nn.Module):
     """Our record net: frozen whitening conv, three conv-pool-BN-GELU-conv-BN-GELU blocks, max-pool head.
     Convs start as identity (dirac) maps; BN scales are frozen at 1 so only BN biases adapt."""

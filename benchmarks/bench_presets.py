@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import core  # noqa: E402
+import parallel  # noqa: E402
 import torch_backend as tb  # noqa: E402
 import train_cifar  # noqa: E402
 
@@ -30,8 +31,10 @@ def measure(preset, device, steps, repeats, compile=False, overrides=None):
     y_all = torch.randint(0, 10, (N_TRAIN,), generator=gen, device=device)
     model = train_cifar.build_model(cfg, device)
     opt = train_cifar.make_optimizer(cfg, model)
+    if cfg["bn_group_size"]:  # ghost batch norm, as run_once sets it up
+        parallel.convert_bn(model, cfg["bn_group_size"])
     step_fn = train_cifar.make_step_fn(cfg, model, world=1)  # compiled with --compile
-    flops_step = train_cifar.train_flops(cfg, model, device, precision, bs)
+    flops_step = train_cifar.step_flops(cfg, model, opt, device, precision, bs)
     run_steps = math.ceil(train_cifar.steps_per_epoch(cfg, N_TRAIN) * cfg["epochs"])
     aug = tb.draw_augmentation(N_TRAIN, pad, cfg["cutout"], cfg["flip"] != "none", gen, device)
     sync = tb.synchronizer(device)

@@ -48,3 +48,38 @@ def test_tta_weights_and_views():
     model = Mean()
     torch.testing.assert_close(tb.predict(model, x, "fp32", torch.device("cpu"), tta=1),
                                tb.predict(model, x, "fp32", torch.device("cpu"), tta=0))
+
+
+def test_resnet9_tricks_whitening_keeps_large_directions_and_damps_small_ones():
+    """With eps, the whitened patch covariance is diag(lambda / (lambda + eps)) over the patch covariance's
+    eigenvalues: ~1 where the data varies, < 1 where it barely does (float64 reference)."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(300, 3, 10, 10, generator=gen)
+    x = x + 0.8 * x.roll(1, dims=2) + 0.5 * x.roll(1, dims=1)  # correlated neighbours and channels
+    net = tb.ResNet9Tricks((8, 8, 8, 8))
+    net.init_whitening(x)
+    w = net.whiten.weight.double()
+    assert w.shape == (27, 3, 3, 3) and not net.whiten.weight.requires_grad
+    patches = x.double().unfold(2, 3, 1).unfold(3, 3, 1).permute(0, 2, 3, 1, 4, 5).reshape(-1, 27)
+    patches = patches - patches.mean(0)
+    lam = torch.linalg.eigvalsh(patches.T @ patches / len(patches))
+    out = torch.nn.functional.conv2d(x.double(), w).permute(0, 2, 3, 1).reshape(-1, 27)
+    out = out - out.mean(0)
+    cov = out.T @ out / len(out)
+    torch.testing.assert_close(torch.sort(torch.diag(cov)).values, torch.sort(lam / (lam + 1e-2)).values,
+                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(cov - torch.diag(torch.diag(cov)), torch.zeros(27, 27, dtype=torch.float64),
+                               atol=1e-6, rtol=0)
+
+
+def test_resnet9_tricks_has_resnet9_size_frozen_bn_scales_and_pools_before_bn():
+    net = tb.ResNet9Tricks()
+    # the 1x1 prep conv on 27 whitened channels has as many weights as resnet9's 3x3 prep conv on RGB
+    assert sum(p.numel() for p in net.parameters()) == 6_573_120 + 27 * 27
+    frozen_bn_scales = 64 + 3 * 128 + 256 + 3 * 512
+    assert sum(p.numel() for p in net.parameters() if p.requires_grad) == 6_573_120 - frozen_bn_scales
+    pooled = [b for b in net.modules() if isinstance(b, torch.nn.Sequential) and len(b) == 4]
+    assert len(pooled) == 3
+    for b in pooled:
+        assert [type(m) for m in b] == [torch.nn.Conv2d, torch.nn.MaxPool2d, torch.nn.BatchNorm2d, torch.nn.CELU]
+    assert net(torch.randn(2, 3, 32, 32)).shape == (2, 10)

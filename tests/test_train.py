@@ -84,9 +84,10 @@ def test_train_api_learns_and_logs_every_required_field(cifar10, tmp_path):
     assert [(r["run"], r["epoch"]) for r in rows] == [("0", "1"), ("0", "2"), ("1", "1"), ("1", "2")]
 
 
-def test_resumed_run_equals_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("preset, options", [("resnet9", TINY), ("resnet9-tricks", dict(TINY, batch_size=64))])
+def test_resumed_run_equals_uninterrupted_run(tmp_path, preset, options):
     data = synthetic(400, 100)
-    cfg = train_cifar.make_config("resnet9", **TINY)
+    cfg = train_cifar.make_config(preset, **options)
     dev = torch.device("cpu")
     on_device = tb.to_device(tb.validate(data, "tiny"), dev, torch.float32, pad=cfg["pad"])
     full = train_cifar.run_once(cfg, on_device, 0, 7, dev, "fp32", log=lambda *a: None)
@@ -105,7 +106,7 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path):
     assert said and said[0].startswith(f"resumed from {ckpt} after epoch 1")
     assert [r["train_loss"] for r in resumed["epochs"]] == [r["train_loss"] for r in full["epochs"]]
     assert resumed["accuracy"] == full["accuracy"]
-    other = train_cifar.make_config("resnet9", **dict(TINY, epochs=3))
+    other = train_cifar.make_config(preset, **dict(options, epochs=3))
     with pytest.raises(ValueError, match="another configuration"):
         train_cifar.run_once(other, on_device, 0, 7, dev, "fp32", checkpoint=ckpt)
 
@@ -157,6 +158,48 @@ def test_lookahead_pulls_weights_towards_the_average():
         net.weight.fill_(1.0)
     la.update(0.75)
     torch.testing.assert_close(net.weight, torch.full((2, 2), 0.25))
+
+
+def test_weight_ema_averages_weights_and_bn_statistics_and_is_applied_only_inside_the_block():
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2, bias=False), torch.nn.BatchNorm1d(2))
+    history = []
+    ema = train_cifar.WeightEMA(net, decay=0.9, every=2)
+    history.append({k: v.clone() for k, v in net.state_dict().items()})
+    for t in range(3):
+        with torch.no_grad():
+            net[0].weight.add_(1.0 + t)
+            net[1].running_mean.add_(0.5)
+        ema.update()
+        history.append({k: v.clone() for k, v in net.state_dict().items()})
+    r = 0.9 ** 2
+    for key in ("0.weight", "1.running_mean", "1.running_var"):
+        expected = history[0][key].double()
+        for h in history[1:]:
+            expected = r * expected + (1 - r) * h[key].double()
+        torch.testing.assert_close(ema.avg[key].double(), expected)
+    assert "1.num_batches_tracked" not in ema.avg  # integer counters are not averaged
+    x = torch.randn(4, 2)
+    net.eval()
+    with ema.applied():
+        averaged = net(x)
+        torch.testing.assert_close(net[0].weight, ema.avg["0.weight"])
+    torch.testing.assert_close(net[0].weight, history[-1]["0.weight"])  # the trained weights are back
+    assert not torch.allclose(averaged, net(x))
+
+
+def test_resnet9_tricks_trains_and_an_ema_without_decay_is_the_plain_run():
+    data = synthetic(400, 100)
+    dev = torch.device("cpu")
+    base = dict(TINY, batch_size=64)
+    plain = train_cifar.make_config("resnet9-tricks", **dict(base, ema_every=0))
+    no_decay = train_cifar.make_config("resnet9-tricks", **dict(base, ema_every=1, ema_decay=0.0))
+    on_device = tb.to_device(tb.validate(data, "tiny"), dev, torch.float32, pad=plain["pad"])
+    a = train_cifar.run_once(plain, on_device, 0, 3, dev, "fp32", log=lambda *a: None)
+    b = train_cifar.run_once(no_decay, on_device, 0, 3, dev, "fp32", log=lambda *a: None)
+    assert [r["train_loss"] for r in a["epochs"]] == [r["train_loss"] for r in b["epochs"]]
+    assert a["accuracy"] == b["accuracy"] and np.isfinite(a["epochs"][-1]["train_loss"])
+    with pytest.raises(ValueError, match="whiten-bias-epochs needs net fastnet"):
+        train_cifar.make_config("resnet9-tricks", whiten_bias_epochs=2)
 
 
 def test_optimizer_groups_keep_decay_per_step_equal():
