@@ -238,10 +238,14 @@ def make_trial(settings, batch_size, trial, n_train):
                 lr_window=list(lr_window(batch_size, space, **window)), train=train)
 
 
-def plan(settings, batch_sizes, trials, n_train, shard=None):
+def plan(settings, batch_sizes, trials, n_train, shard=None, order=()):
     """Trial-major order: trial 0 at every batch size, then trial 1, ... (a partial study is a rough curve).
+    order: trials to run first, in this order (the rest follow in index order), e.g. those that did best at a
+    smaller batch size, so a study cut short has spent its time where the target is likeliest.
     shard (K, N): every N-th trial from the K-th, so each of N shards spans all batch sizes."""
-    specs = [make_trial(settings, b, t, n_train) for t in range(trials) for b in sorted(batch_sizes)]
+    first = [t for t in dict.fromkeys(order) if t < trials]
+    ts = first + [t for t in range(trials) if t not in first]
+    specs = [make_trial(settings, b, t, n_train) for t in ts for b in sorted(batch_sizes)]
     return specs[shard[0]::shard[1]] if shard else specs
 
 
@@ -729,6 +733,9 @@ def parse_args(argv):
     r.add_argument("--shard", default=None, metavar="K/N",
                    help="run every N-th trial of the plan, from the K-th (0-based), into trials-shardKofN.jsonl of "
                         "the same folder: N processes with K = 0..N-1 share a study; each skips what any has done")
+    r.add_argument("--trial-order", type=int, nargs="+", default=[], metavar="T",
+                   help="run these trials first, in this order (the others follow); the metaparameters of trial t "
+                        "do not change, only when it runs")
     r.add_argument("--dry-run", action="store_true", help="print the planned trials and exit")
     r.add_argument("--verbose", action="store_true", help="print every trial's training log")
     q = sub.add_parser("plot", help="summaries and plots of one or several output folders (one curve each)")
@@ -740,6 +747,8 @@ def parse_args(argv):
         args.batch_sizes = sorted(set(args.batch_sizes or w["batch_sizes"]))
         if min(args.batch_sizes) < 1 or args.trials < 1:
             p.error("batch sizes and --trials must be positive")
+        if any(not 0 <= t < args.trials for t in args.trial_order):
+            p.error(f"--trial-order takes trial numbers from 0 to {args.trials - 1}")
         if args.shard is not None:
             k, sep, n = args.shard.partition("/")
             if not (sep and k.isdigit() and n.isdigit() and 0 <= int(k) < int(n)):
@@ -763,7 +772,7 @@ def cmd_run(parser, args):
     settings = args.settings
     if args.dry_run:
         n = (args.train_subset or 50000) - settings["holdout"]
-        for spec in plan(settings, args.batch_sizes, args.trials, n, args.shard):
+        for spec in plan(settings, args.batch_sizes, args.trials, n, args.shard, args.trial_order):
             print(f"b={spec['batch_size']:<5} trial {spec['trial']}: {describe_params(spec['params'])}; budget "
                   f"{spec['budget_steps']} steps ({spec['budget_epochs']:.2f} epochs), eval every "
                   f"{spec['eval_every_steps']}")
@@ -785,7 +794,7 @@ def cmd_run(parser, args):
     device = torch.device(args.device) if args.device else tb.default_device()
     os.makedirs(args.out, exist_ok=True)
     path = shard_path(args.out, args.shard)
-    specs = plan(settings, args.batch_sizes, args.trials, n_train, args.shard)
+    specs = plan(settings, args.batch_sizes, args.trials, n_train, args.shard, args.trial_order)
     others = [r for p in trial_files(args.out) if p != path for r in read_trials(p)]
     w = WORKLOADS[args.workload]
     print(f"study: {args.workload} ({w['about']}), {args.optimizer} ({OPTIMIZERS[args.optimizer].about}), "

@@ -170,6 +170,22 @@ def test_trial_budget_schedule_and_eval_interval():
         sbs.study_settings("cpu", "adam")
 
 
+def test_trial_order_moves_trials_forward_without_changing_them():
+    s = sbs.study_settings("cpu", "lars")
+    plain = sbs.plan(s, [2048, 4096], 4, 45000)
+    ordered = sbs.plan(s, [2048, 4096], 4, 45000, order=[3, 1, 3])
+    assert [(p["trial"], p["batch_size"]) for p in ordered] == [
+        (3, 2048), (3, 4096), (1, 2048), (1, 4096), (0, 2048), (0, 4096), (2, 2048), (2, 4096)]
+    by_key = {(p["trial"], p["batch_size"]): p for p in plain}
+    assert all(p == by_key[(p["trial"], p["batch_size"])] for p in ordered)  # same metaparameters and budget
+    assert [p["trial"] for p in sbs.plan(s, [2048, 4096], 4, 45000, shard=(1, 2), order=[3, 1])] == [3, 1, 0, 2]
+
+
+def test_trial_order_outside_the_trials_is_a_usage_error(tmp_path):
+    with pytest.raises(SystemExit):
+        sbs.main(["run", "--trials", "2", "--trial-order", "2", "--dry-run", "--out", str(tmp_path)])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Runner: resume, torn lines, interrupts
 
