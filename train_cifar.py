@@ -140,7 +140,7 @@ def check_config(cfg):
 
 
 def check_distributed(cfg, world):
-    """Checks that need the world size; raised on every rank, before any collective, so none hangs."""
+    """Checks that need the world size; train() makes them on every rank before the process group exists."""
     bs = cfg["batch_size"]
     if bs % world:
         raise ValueError(f"global batch size {bs} is not divisible by the {world} processes")
@@ -556,8 +556,9 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
     checkpoint: save/resume path for a single long run (see run_once).
     Under torchrun every process calls this; only rank 0 prints and writes logs."""
     cfg = make_config(preset, **overrides)
+    # Before joining the process group: a bad combination then fails each rank on its own, none waits for another.
+    check_distributed(cfg, int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ else 1)
     rank, world, local_rank = parallel.init_distributed()
-    check_distributed(cfg, world)
     if checkpoint and world > 1:
         raise ValueError("--checkpoint is for single-process runs")
     if rank != 0:

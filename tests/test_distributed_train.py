@@ -60,9 +60,17 @@ def test_two_processes_with_world_batch_norm_equal_one_process(tiny_npz, tmp_pat
 
 
 def test_indivisible_global_batch_fails_on_every_rank(tiny_npz, tmp_path):
+    """Each rank, started alone as torchrun would start it, exits 2 with the message without waiting for the
+    other (which never comes: a rank that waited for its peer would hang here until the timeout)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    for rank in ("0", "1"):
+        r = subprocess.run([sys.executable, SCRIPT, "--data", tiny_npz, "--log-dir", str(tmp_path), *TINY,
+                            "--batch-size", "41"], capture_output=True, text=True, timeout=120,
+                           env=dict(env, RANK=rank, LOCAL_RANK=rank))
+        assert r.returncode == 2 and "global batch size 41 is not divisible by the 2 processes" in r.stderr
+    # Under torchrun the launcher stops the other workers when the first fails: all exit non-zero, no log.
     r = torchrun(2, "--data", tiny_npz, "--log-dir", str(tmp_path), *TINY, "--batch-size", "41")
-    assert r.returncode != 0
-    assert r.stderr.count("global batch size 41 is not divisible by the 2 processes") == 2
+    assert r.returncode != 0 and "global batch size 41 is not divisible by the 2 processes" in r.stderr
     assert not list(tmp_path.glob("*.json"))
 
 
