@@ -1,4 +1,5 @@
-"""For each preset: training FLOPs per run, training images/s and achieved FLOP/s on this hardware.
+"""For each preset: training FLOPs per run, training images/s and achieved FLOP/s on this hardware, also as a
+share of the machine's practical peak (a large matmul in the same precision, measured first).
 
     python benchmarks/bench_presets.py [--presets fast94 resnet9] [--steps 5] [--repeats 3] [--compile]
 
@@ -63,6 +64,26 @@ def measure(preset, device, steps, repeats, compile=False, overrides=None):
                 est_train_time_s=run_steps * bs / img_s[0])
 
 
+def matmul_peak(device, precision, size=None, repeats=5):
+    """The machine's practical peak: TFLOP/s of a large square matmul in the runs' precision (the best case a
+    conv net's kernels can approach), mean ± std over repeats after a warm-up."""
+    size = size or (8192 if device.type == "cuda" else 2048)
+    dtype = tb.DTYPES[precision]
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    sync = tb.synchronizer(device)
+    a @ b
+    rates = []
+    for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        for _ in range(3):
+            a @ b
+        sync()
+        rates.append(3 * 2 * size ** 3 / (time.perf_counter() - t) / 1e12)
+    return core.mean_std(rates)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--presets", nargs="+", default=list(train_cifar.PRESETS), choices=list(train_cifar.PRESETS))
@@ -85,15 +106,19 @@ def main():
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 steps=a.steps, repeats=a.repeats, compile=a.compile, overrides=overrides,
                 threads=torch.get_num_threads(), ld_preload=os.environ.get("LD_PRELOAD", ""))
-    print(f"{info['hardware']}, torch {torch.__version__}")
-    table = core.Table(["preset", "precision", "PF/run", "img/s", "±", "TFLOP/s", "est_time_s"], width=11)
+    precision = tb.resolve_precision(train_cifar.make_config(a.presets[0], **overrides)["precision"], device)
+    info["matmul_peak_tflop_per_s"] = peak = matmul_peak(device, precision)
+    print(f"{info['hardware']}, torch {torch.__version__}; matmul peak ({precision}): {peak[0]:.3f} ± {peak[1]:.3f} "
+          f"TFLOP/s")
+    table = core.Table(["preset", "precision", "PF/run", "img/s", "±", "TFLOP/s", "% peak", "est_time_s"], width=11)
     results = []
     for preset in a.presets:
         r = measure(preset, device, a.steps, a.repeats, a.compile, overrides)
         results.append(r)
         table.row({"preset": preset, "precision": r["precision"], "PF/run": r["train_flops_per_run"] / 1e15,
                    "img/s": round(r["img_per_s"][0]), "±": round(r["img_per_s"][1]),
-                   "TFLOP/s": r["tflop_per_s"][0], "est_time_s": round(r["est_train_time_s"])})
+                   "TFLOP/s": r["tflop_per_s"][0], "% peak": f"{100 * r['tflop_per_s'][0] / peak[0]:.0f}%",
+                   "est_time_s": round(r["est_train_time_s"])})
         if a.log_dir:  # rewritten after each preset so an interrupted benchmark keeps what it measured
             os.makedirs(a.log_dir, exist_ok=True)
             path = os.path.join(a.log_dir, f"bench_presets-{info['date'][:19].replace(':', '')}.json")
