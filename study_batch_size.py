@@ -592,7 +592,8 @@ def plot(curves, out_dir):
         if reg["anchor"] is None:
             continue
         b0, s0 = reg["anchor"]
-        ax.plot(all_b, [s0 * b0 / b for b in all_b], "--", color=c, lw=1, alpha=0.7,
+        own_b = [b for b in all_b if b >= b0]  # from the curve's own first point: no line where it has no data
+        ax.plot(own_b, [s0 * b0 / b for b in own_b], "--", color=c, lw=1, alpha=0.7,
                 label="perfect scaling (ideal 1/b)" if i == 0 else None)
         steps = {r["batch_size"]: r["best_steps"] for r in ok}
         ax.plot([reg["perfect_end"]], [steps[reg["perfect_end"]]], "s", ms=13, mfc="none", mec=c, mew=2,
