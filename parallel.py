@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import core
+import torch_backend as tb
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -57,10 +58,7 @@ class LARS(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = tb.closure_loss(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:

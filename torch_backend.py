@@ -493,6 +493,14 @@ def newton_schulz(g, steps=5, eps=1e-7):
     return x.T if tall else x
 
 
+def closure_loss(closure):
+    """What an optimizer's step(closure) returns: the loss that the closure recomputes with gradients, or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class Muon(torch.optim.Optimizer):
     """SGD with momentum, except that in groups with orthogonalize=True each weight's update (its Nesterov
     momentum, conv filters flattened to out x in*k*k) is replaced by newton_schulz(update): every direction of
@@ -513,10 +521,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             lr, m, wd = group["lr"], group["momentum"], group["weight_decay"]
             for p in group["params"]:
