@@ -214,50 +214,58 @@ def lr_schedule(cfg):
     return core.piecewise_linear(knots, values)
 
 
-class Lookahead:
-    """Every few steps, pull the weights towards a slow average and copy the average back into the net."""
+class WeightAverage:
+    """A running average of a net's floating-point state (weights and BN statistics), starting from the net."""
 
     def __init__(self, model):
         self.model = model
         self.avg = {k: v.detach().clone() for k, v in model.state_dict().items() if v.is_floating_point()}
 
     @torch.no_grad()
-    def update(self, decay):
+    def pull(self, weight):
+        """avg <- avg + weight * (net - avg)."""
         state = self.model.state_dict()
         for k, avg in self.avg.items():
-            avg.lerp_(state[k], 1 - decay)
-            state[k].copy_(avg)
+            avg.lerp_(state[k], weight)
+
+    @torch.no_grad()
+    def load(self, tensors):
+        """Copies tensors (keyed like avg) into the net."""
+        state = self.model.state_dict()
+        for k, v in tensors.items():
+            state[k].copy_(v)
 
 
-class WeightEMA:
+class Lookahead(WeightAverage):
+    """Every few steps, pull the weights towards a slow average and copy the average back into the net."""
+
+    def update(self, decay):
+        self.pull(1 - decay)
+        self.load(self.avg)
+
+
+class WeightEMA(WeightAverage):
     """An exponential moving average of the weights and BN statistics, updated every `every` steps with decay
     `decay` per step (decay ** every per update). Evaluation runs on it (Myrtle's bag of tricks): late in
     training it averages out the noise of the last steps, as a lower LR would, without the extra epochs."""
 
     def __init__(self, model, decay, every):
-        self.model, self.decay, self.every = model, decay, every
-        self.avg = {k: v.detach().clone() for k, v in model.state_dict().items() if v.is_floating_point()}
+        super().__init__(model)
+        self.decay, self.every = decay, every
 
-    @torch.no_grad()
     def update(self):
-        state = self.model.state_dict()
-        for k, avg in self.avg.items():
-            avg.lerp_(state[k], 1 - self.decay ** self.every)
+        self.pull(1 - self.decay ** self.every)
 
     @contextlib.contextmanager
     def applied(self):
         """The averaged weights in the net while the block runs (to evaluate), the trained ones after."""
         state = self.model.state_dict()
         trained = {k: state[k].clone() for k in self.avg}
-        with torch.no_grad():
-            for k, avg in self.avg.items():
-                state[k].copy_(avg)
+        self.load(self.avg)
         try:
             yield
         finally:
-            with torch.no_grad():
-                for k, v in trained.items():
-                    state[k].copy_(v)
+            self.load(trained)
 
 
 def evaluated_weights(ema):
