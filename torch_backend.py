@@ -559,7 +559,8 @@ class Muon(torch.optim.Optimizer):
             for p in group["params"] if group["orthogonalize"] else []:
                 if p.requires_grad and p.ndim >= 2:
                     shape = (p.shape[0], p.numel() // p.shape[0])
-                    total += count_flops(lambda: newton_schulz(torch.ones(shape), group["ns_steps"]))
+                    # on the meta device: shapes alone give the count, nothing is computed
+                    total += count_flops(lambda: newton_schulz(torch.ones(shape, device="meta"), group["ns_steps"]))
         return total
 
 
