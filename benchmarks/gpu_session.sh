@@ -34,6 +34,9 @@ step resnet9-tricks-n5 python train_cifar.py --preset resnet9-tricks --data "$DA
     --log-dir "$LOGS"
 step fast94-muon-8ep python train_cifar.py --preset fast94 --data "$DATA" --device cuda --compile true \
     --optimizer muon --epochs 8 --lr-knots 0 1.84 8 --runs 5 --log-dir "$LOGS"
+# 2c. fast95 (#3): n = 5 (about 10 s a run).
+step fast95-n5 python train_cifar.py --preset fast95 --data "$DATA" --device cuda --compile true --runs 5 \
+    --log-dir "$LOGS"
 # 3. Throughput and achieved FLOP/s of every preset, eager and compiled (#3).
 step bench-presets python benchmarks/bench_presets.py --device cuda --log-dir "$LOGS"
 step bench-presets-compile python benchmarks/bench_presets.py --device cuda --compile --log-dir "$LOGS"

@@ -111,6 +111,26 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, preset, options):
         train_cifar.run_once(other, on_device, 0, 7, dev, "fp32", checkpoint=ckpt)
 
 
+@pytest.mark.parametrize("preset", list(train_cifar.PRESETS))
+def test_every_preset_trains_with_its_own_options(preset):
+    """Each preset's combination of options (TTA, lookahead, EMA, ghost BN, whitening bias...) runs end to end,
+    shrunk to 1/8 of its widths and its schedule to two epochs, and learns an easy task."""
+    own = train_cifar.PRESETS[preset]
+    widths = tuple(max(4, w // 8) for w in own["widths"])
+    knots = tuple(k * 2 / own["epochs"] for k in own["lr_knots"])
+    cfg = train_cifar.make_config(preset, widths=widths, batch_size=64, epochs=2, lr_knots=knots, precision="fp32")
+    dev = torch.device("cpu")
+    data = synthetic(640, 100)
+    for split in ("train", "test"):  # a learnable signal: each class tints its images with its own colour
+        tint = np.random.default_rng(1).integers(0, 128, (10, 3))[data[f"{split}_y"]]
+        data[f"{split}_x"] = (data[f"{split}_x"] // 2 + tint[:, None, None, :]).astype(np.uint8)
+    on_device = tb.to_device(tb.validate(data, "tiny"), dev, torch.float32, pad=cfg["pad"])
+    result = train_cifar.run_once(cfg, on_device, 0, 0, dev, "fp32", log=lambda *a: None)
+    losses = [row["train_loss"] for row in result["epochs"]]
+    assert len(losses) == 2 and all(np.isfinite(losses)) and not result["diverged"]
+    assert losses[1] < 0.9 * losses[0] and 0 <= result["accuracy"] <= 1, (losses, result["accuracy"])
+
+
 def test_flop_counter_matches_the_convolution_formula():
     conv = torch.nn.Conv2d(3, 8, 3, padding=1, bias=False)
     x = torch.randn(4, 3, 16, 16)
