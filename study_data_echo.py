@@ -2,7 +2,7 @@
 and echo factor, over several seeds.
 
     python study_data_echo.py --workload cpu --data cifar10.npz                # small net, ~1-2 min a run on a CPU
-    python study_data_echo.py --workload gpu94 --pipeline loader --seeds 5      # fast94 to 94%: the GPU study
+    python study_data_echo.py --workload gpu94 --pipeline loader --seeds 5      # fast94-sgd to 94%: the GPU study
     python study_data_echo.py --seeds 1 --factors 1 2 --modes batch --train-subset 2000 --target 0.15 \\
         --set epochs=2 --set "widths=(8,16,16)" --out /tmp/echo-smoke     # a smoke test (seconds)
 
@@ -49,11 +49,11 @@ DEFAULT_MODES = ("example-before-aug", "example-after-aug", "batch")
 # (bf16) an epoch takes about 24 s, and a 4-epoch version of this schedule reached 85.4% (72.8% after epoch 3);
 # gpu94 is the real thing.
 WORKLOADS = {
-    "cpu": dict(preset="fast94", about="fast94 at widths 32/64/64, batch 512, 6 epochs, 80% without TTA",
+    "cpu": dict(preset="fast94-sgd", about="fast94-sgd at widths 32/64/64, batch 512, 6 epochs, 80% without TTA",
                 overrides=dict(widths=(32, 64, 64), batch_size=512, epochs=6, lr_knots=(0, 1, 6),
                                lr_values=(0.3, 1.5, 0.1), whiten_bias_epochs=1, lookahead_start_epoch=1, tta=0,
                                target=0.80, eval_every_steps=24)),
-    "gpu94": dict(preset="fast94", about="fast94 (9.9 epochs, TTA at the end) to 94%",
+    "gpu94": dict(preset="fast94-sgd", about="fast94-sgd (9.9 epochs, TTA at the end) to 94%",
                   overrides=dict(target=0.94, eval_every_steps=12)),
 }
 

@@ -1,7 +1,7 @@
 """Training throughput of one preset with 1 process or N processes under torchrun (the same global batch).
 
-    python benchmarks/bench_ddp.py --preset fast94                           # 1 process
-    torchrun --nproc_per_node 2 benchmarks/bench_ddp.py --preset fast94      # 2 processes (gloo on CPU, NCCL on GPU)
+    python benchmarks/bench_ddp.py --preset fast94-sgd                       # 1 process
+    torchrun --nproc_per_node 2 benchmarks/bench_ddp.py --preset fast94-sgd  # 2 processes (gloo on CPU, NCCL on GPU)
 
 Times full data-parallel training steps (augmentation of the rank's slice, forward, backward, gradient
 all-reduce, update) on random data of CIFAR-10's shape, after a warm-up; mean ± std of images/s over repeats.

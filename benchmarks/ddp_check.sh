@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One process against torchrun with two, five seeds each: does data-parallel training reach the same accuracy
-# (within the run-to-run spread)? A small fast94 (widths 16/32/32, schedule shrunk to 5 epochs) so that ten
+# (within the run-to-run spread)? A small fast94-sgd (widths 16/32/32, schedule shrunk to 5 epochs) so that ten
 # runs fit in about an hour of a 2-core CPU. Logs go to logs/ddp-check/ (README: "Many devices").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${DATA:-${CIFAR10_DATA:-./data}}
-SMALL=(--widths 16 32 32 --epochs 5 --lr-knots 0 1.15 5 --runs 5 --seed 0 --data "$DATA" --device cpu
+SMALL=(--preset fast94-sgd --widths 16 32 32 --epochs 5 --lr-knots 0 1.15 5 --runs 5 --seed 0 --data "$DATA" --device cpu
        --log-dir logs/ddp-check)
 OMP_NUM_THREADS=1 python train_cifar.py "${SMALL[@]}"
 OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 train_cifar.py "${SMALL[@]}"

@@ -92,7 +92,8 @@ def test_muon_update_flops_match_the_matmul_count():
 
 
 def test_train_with_muon_orthogonalises_the_filters_and_counts_their_flops():
-    cfg = train_cifar.make_config("fast94", widths=(8, 16, 16), optimizer="muon")
+    cfg = train_cifar.make_config("fast94", widths=(8, 16, 16))
+    assert cfg["optimizer"] == "muon"  # the record recipe
     model = train_cifar.build_model(cfg, torch.device("cpu"))
     opt = train_cifar.make_optimizer(cfg, model)
     ortho = [g for g in opt.param_groups if g["orthogonalize"]]
@@ -101,8 +102,8 @@ def test_train_with_muon_orthogonalises_the_filters_and_counts_their_flops():
     assert ortho[0]["momentum"] == cfg["muon_momentum"] and ortho[0]["lr_scale"] == cfg["muon_lr_scale"]
     assert not any(p is model.whiten.weight for g in opt.param_groups for p in g["params"])  # frozen
     common = dict(data=synthetic(400, 100), widths=(8, 16, 16), epochs=2, batch_size=100, log=lambda *a: None)
-    sgd = train_cifar.train("fast94", **common)
-    muon = train_cifar.train("fast94", optimizer="muon", **common)
+    sgd = train_cifar.train("fast94", optimizer="sgd", **common)
+    muon = train_cifar.train("fast94", **common)
     assert muon["train_flops_per_step"] - sgd["train_flops_per_step"] == opt.update_flops() > 0
     assert all(np.isfinite(r["accuracy"]) for r in muon["runs"])
 

@@ -288,10 +288,10 @@ def tiny_settings(**kw):
 
 def test_a_real_trial_records_steps_to_target_and_the_full_budget_otherwise():
     data = synthetic(n_train=200, n_test=10)
-    easy = sbs.run_trial(sbs.make_trial(tiny_settings(target=0.01), 25, 0, 150), data, "fast94")
+    easy = sbs.run_trial(sbs.make_trial(tiny_settings(target=0.01), 25, 0, 150), data, "fast94-sgd")
     assert easy["reached"] and easy["steps_to_target"] == easy["eval_every_steps"] == 2
     assert easy["examples_to_target"] == 50 and len(easy["evals"]) == 1 and not easy["diverged"]
-    hard = sbs.run_trial(sbs.make_trial(tiny_settings(target=1.0), 25, 1, 150), data, "fast94")
+    hard = sbs.run_trial(sbs.make_trial(tiny_settings(target=1.0), 25, 1, 150), data, "fast94-sgd")
     assert not hard["reached"] and hard["steps_to_target"] is None and hard["budget_steps"] == 8
     assert [e[0] for e in hard["evals"]] == [2, 4, 6, 8] and 0 <= hard["best_acc"] <= 1
 
@@ -299,7 +299,7 @@ def test_a_real_trial_records_steps_to_target_and_the_full_budget_otherwise():
 def test_a_diverging_trial_is_recorded_as_diverged():
     data = synthetic(n_train=200, n_test=10)
     spec = sbs.make_trial(tiny_settings(optimizer="sgd", target=1.0, lr_range=(1e29, 1e30)), 25, 0, 150)
-    rec = sbs.run_trial(spec, data, "fast94")
+    rec = sbs.run_trial(spec, data, "fast94-sgd")
     assert rec["diverged"] and not rec["reached"] and "diverged" in rec["error"]
 
 

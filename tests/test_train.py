@@ -32,7 +32,7 @@ def tiny_npz(tmp_path, tiny):
     (["--epochs", "0"], "epochs must be positive"),
     (["--batch-size", "-4"], "batch size must be a positive integer"),
     (["--target", "1.5"], "target must be in (0, 1]"),
-    (["--lr-knots", "0", "5"], "same length"),
+    (["--lr-knots", "0", "5", "9"], "same length"),
     (["--precision", "fp16", "--device", "cpu"], "fp16 is for CUDA"),
     (["--batch-size", "500"], "exceeds the 200 training images"),
 ])
@@ -68,7 +68,7 @@ def test_train_api_learns_and_logs_every_required_field(cifar10, tmp_path):
     s = train_cifar.train("fast94", data=data, log_dir=str(tmp_path), widths=(32, 64, 64), epochs=2,
                           lr_knots=(0, 0.5, 2), lr_values=(0.3, 1.5, 0.1), batch_size=500, runs=2, target=0.3,
                           log=lambda *a: None)
-    assert s["accuracy_mean"] > 0.5, s["accuracy_mean"]  # chance is 0.1; this setting gave 0.59 when written
+    assert s["accuracy_mean"] > 0.5, s["accuracy_mean"]  # chance is 0.1; 0.66 with Muon here, 0.60 with SGD
     saved = json.loads(open(s["log_json"]).read())
     for key in ("preset", "config", "hardware", "torch", "commit", "runs", "accuracy_mean", "accuracy_std"):
         assert key in saved
@@ -223,7 +223,7 @@ def test_resnet9_tricks_trains_and_an_ema_without_decay_is_the_plain_run():
 
 
 def test_optimizer_groups_keep_decay_per_step_equal():
-    cfg = train_cifar.make_config("fast94", widths=(8, 16, 16))
+    cfg = train_cifar.make_config("fast94-sgd", widths=(8, 16, 16))
     model = train_cifar.build_model(cfg, torch.device("cpu"))
     opt = train_cifar.make_optimizer(cfg, model)
     slow, fast = opt.param_groups
@@ -273,8 +273,8 @@ def test_compiled_run_matches_the_eager_run():
     kw = dict(widths=(8, 16, 16), batch_size=64, epochs=2, precision="fp32", tta=0, lookahead_start_epoch=-1,
               whiten_bias_epochs=1, log_dir=None)
     said = []
-    eager = train_cifar.train("fast94", data=data, log=lambda *a: None, **kw)["runs"][0]
-    compiled = train_cifar.train("fast94", data=data, log=said.append, compile=True, **kw)["runs"][0]
+    eager = train_cifar.train("fast94-sgd", data=data, log=lambda *a: None, **kw)["runs"][0]
+    compiled = train_cifar.train("fast94-sgd", data=data, log=said.append, compile=True, **kw)["runs"][0]
     np.testing.assert_allclose([r["train_loss"] for r in compiled["epochs"]],
                                [r["train_loss"] for r in eager["epochs"]], rtol=1e-3)
     compile_s = float(next(m for m in said if m.startswith("compiled the training step")).split(" in ")[1].split()[0])
