@@ -95,10 +95,10 @@ PRESETS = {
         lr_knots=(0, 2.277, 9.9), lr_values=(0.30, 1.5, 0.105), momentum=0.85, weight_decay=1.33e-3,
         bias_lr_scale=64.0, label_smoothing=0.2, flip="alternate", pad=2, cutout=0, tta=2,
         whiten_bias_epochs=3, lookahead_start_epoch=3, lookahead_every=5, lookahead_decay=0.95, lookahead_pow=3.0),
-    # fast94-sgd scaled up for 95%, as airbench95 scales airbench94 (95.01%, n=200, 10.4 s on an A100, 1.39 PF): blocks
-    # 1.5-2x wider, 15 epochs, peak LR x 10/11.5 with the same decay per step (weight_decay x 11.5/10); the
-    # schedule keeps its shape (warm-up over the first 23%).
-    # 1.33 PF a run (counted). Unmeasured here so far: about 3.3 h a run in fp32 on the AVX2 CPU.
+    # fast94-sgd scaled up for 95%, as airbench95 scales airbench94 (95.01%, n=200, 10.4 s on an A100, 1.39 PF):
+    # blocks 1.5-2x wider, 15 epochs, peak LR x 10/11.5 with the same decay per step (weight_decay x 11.5/10);
+    # the schedule keeps its shape (warm-up over the first 23%). 1.33 PF a run (counted). Unmeasured here so
+    # far: about 3.3 h a run in fp32 on the AVX2 CPU.
     "fast95": dict(
         net="fastnet", widths=(128, 384, 384), epochs=15, batch_size=1024,
         lr_knots=(0, 3.45, 15), lr_values=(0.261, 1.304, 0.0913), momentum=0.85, weight_decay=1.53e-3,
