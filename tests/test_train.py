@@ -121,8 +121,9 @@ def test_every_preset_trains_with_its_own_options(preset):
     cfg = train_cifar.make_config(preset, widths=widths, batch_size=64, epochs=2, lr_knots=knots, precision="fp32")
     dev = torch.device("cpu")
     data = synthetic(640, 100)
-    for split in ("train", "test"):  # a learnable signal: each class tints its images with its own colour
-        tint = np.random.default_rng(1).integers(0, 128, (10, 3))[data[f"{split}_y"]]
+    tints = np.random.default_rng(1).integers(0, 128, (10, 3))  # a learnable signal: one colour per class
+    for split in ("train", "test"):
+        tint = tints[data[f"{split}_y"]]
         data[f"{split}_x"] = (data[f"{split}_x"] // 2 + tint[:, None, None, :]).astype(np.uint8)
     on_device = tb.to_device(tb.validate(data, "tiny"), dev, torch.float32, pad=cfg["pad"])
     result = train_cifar.run_once(cfg, on_device, 0, 0, dev, "fp32", log=lambda *a: None)
