@@ -438,21 +438,30 @@ class ResNet9Tricks(nn.Module):
 
 class FastNet(nn.Module):
     """Our record net: frozen whitening conv, three conv-pool-BN-GELU-conv-BN-GELU blocks, max-pool head.
-    Convs start as identity (dirac) maps; BN scales are frozen at 1 so only BN biases adapt."""
+    Convs start as identity (dirac) maps; BN scales are frozen at 1 so only BN biases adapt.
+    depth=3 (fast96) adds a third conv-BN-GELU to each block, the last two wrapped in a residual."""
 
-    def __init__(self, widths=(64, 256, 256), whiten_width=24, whiten_patch=2, head_scale=1 / 9, bn_momentum=0.4):
+    def __init__(self, widths=(64, 256, 256), whiten_width=24, whiten_patch=2, head_scale=1 / 9, bn_momentum=0.4,
+                 depth=2):
         super().__init__()
+        if depth not in (2, 3):
+            raise ValueError(f"FastNet blocks have depth 2 or 3, not {depth}")
         self.whiten = nn.Conv2d(3, whiten_width, whiten_patch, bias=True)
         self.whiten.weight.requires_grad_(False)
+
+        def conv_bn_gelu(c_in, c_out, pool=False):
+            conv = nn.Conv2d(c_in, c_out, 3, padding=1, bias=False)
+            nn.init.dirac_(conv.weight[:c_in])
+            bn = nn.BatchNorm2d(c_out, momentum=bn_momentum, eps=1e-12)
+            bn.weight.requires_grad_(False)
+            return [conv, nn.MaxPool2d(2), bn, nn.GELU()] if pool else [conv, bn, nn.GELU()]
         blocks, c_in = [], whiten_width
         for w in widths:
-            conv1, conv2 = nn.Conv2d(c_in, w, 3, padding=1, bias=False), nn.Conv2d(w, w, 3, padding=1, bias=False)
-            for conv in (conv1, conv2):
-                nn.init.dirac_(conv.weight[:conv.in_channels])
-            bn1, bn2 = nn.BatchNorm2d(w, momentum=bn_momentum, eps=1e-12), nn.BatchNorm2d(w, momentum=bn_momentum, eps=1e-12)
-            for bn in (bn1, bn2):
-                bn.weight.requires_grad_(False)
-            blocks += [conv1, nn.MaxPool2d(2), bn1, nn.GELU(), conv2, bn2, nn.GELU()]
+            blocks += conv_bn_gelu(c_in, w, pool=True)
+            if depth == 2:
+                blocks += conv_bn_gelu(w, w)
+            else:
+                blocks.append(Residual(*conv_bn_gelu(w, w), *conv_bn_gelu(w, w)))
             c_in = w
         self.blocks = nn.Sequential(*blocks)
         self.head = nn.Linear(c_in, NUM_CLASSES, bias=False)

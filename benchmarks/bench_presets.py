@@ -2,9 +2,11 @@
 share of the machine's practical peak (a large matmul in the same precision, measured first).
 
     python benchmarks/bench_presets.py [--presets fast94 resnet9] [--steps 5] [--repeats 3] [--compile]
+    python benchmarks/bench_presets.py --flops-only     # FLOPs per run of every preset, counted in seconds
 
-Times full training steps (augmentation, forward, backward, update) on random data of CIFAR-10's shape after
-a warm-up, so it needs no data set; mean ± std over repeats. Writes logs/bench_presets-*.json."""
+Times full training steps (augmentation, forward, backward, update; with data selection also scoring the
+candidates, and the proxy's own training steps) on random data of CIFAR-10's shape after a warm-up, so it needs
+no data set; mean ± std over repeats. img/s counts the images trained on. Writes logs/bench_presets-*.json."""
 import argparse
 import datetime
 import math
@@ -23,10 +25,26 @@ import train_cifar  # noqa: E402
 N_TRAIN = 50000
 
 
+def time_steps(step, sync, steps, repeats, warm_up):
+    """Seconds per call of step(i): mean ± std over repeats of `steps` calls, after `warm_up` calls."""
+    for i in range(warm_up):
+        step(i)
+    times = []
+    for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        for i in range(steps):
+            step(i)
+        sync()
+        times.append((time.perf_counter() - t) / steps)
+    return core.mean_std(times)
+
+
 def measure(preset, device, steps, repeats, compile=False, overrides=None):
     cfg = train_cifar.make_config(preset, **dict(overrides or {}, compile=compile))
     precision = tb.resolve_precision(cfg["precision"], device)
     bs, pad = cfg["batch_size"], cfg["pad"]
+    drawn = train_cifar.candidate_batch_size(cfg)  # with data selection, the candidates a step scores
     gen = torch.Generator(device=device).manual_seed(0)
     x_all = torch.randn(N_TRAIN, 32 + 2 * pad, 32 + 2 * pad, 3, generator=gen, device=device).to(tb.DTYPES[precision])
     y_all = torch.randint(0, 10, (N_TRAIN,), generator=gen, device=device)
@@ -35,33 +53,55 @@ def measure(preset, device, steps, repeats, compile=False, overrides=None):
     if cfg["bn_group_size"]:  # ghost batch norm, as run_once sets it up
         parallel.convert_bn(model, cfg["bn_group_size"])
     step_fn = train_cifar.make_step_fn(cfg, model, world=1)  # compiled with --compile
-    flops_step = train_cifar.step_flops(cfg, model, opt, device, precision, bs)
-    run_steps = math.ceil(train_cifar.steps_per_epoch(cfg, N_TRAIN) * cfg["epochs"])
+    flops_step, run_steps, flops_run = train_cifar.run_flops(cfg, model, opt, device, precision, N_TRAIN)
     aug = tb.draw_augmentation(N_TRAIN, pad, cfg["cutout"], cfg["flip"] != "none", gen, device)
     sync = tb.synchronizer(device)
+    proxy = None
+    if cfg["select_fraction"] < 1:  # untrained: scoring costs the same
+        pcfg = train_cifar.proxy_config(cfg)
+        proxy = train_cifar.build_model(pcfg, device)
+        proxy_opt = train_cifar.make_optimizer(pcfg, proxy)
+        proxy_steps = math.ceil(train_cifar.steps_per_epoch(pcfg, N_TRAIN) * pcfg["epochs"])
+
+    def batch(i, size):
+        start = (i * size) % (N_TRAIN - size)
+        idx = torch.arange(start, start + size, device=device)
+        x = tb.augment(x_all, idx, {k: v[start:start + size] for k, v in aug.items()}, cutout=cfg["cutout"])
+        return x, y_all[idx]
 
     def step(i):
-        sl = slice((i * bs) % (N_TRAIN - bs), (i * bs) % (N_TRAIN - bs) + bs)
-        idx = torch.arange(sl.start, sl.stop, device=device)
-        x = tb.augment(x_all, idx, {k: v[sl] for k, v in aug.items()}, cutout=cfg["cutout"])
-        train_cifar.train_step(cfg, step_fn, opt, x, y_all[idx], precision, device)
+        x, y = batch(i, drawn)
+        if proxy is not None:
+            x, y = train_cifar.select_hardest(proxy.eval(), x, y, bs, precision, device)
+        train_cifar.train_step(cfg, step_fn, opt, x, y, precision, device)
 
-    for i in range(3 if compile else 2):  # warm-up (and compilation)
-        step(i)
-    rates = []
-    for r in range(repeats):
-        sync()
-        t = time.perf_counter()
-        for i in range(steps):
-            step(i)
-        sync()
-        rates.append(steps * bs / (time.perf_counter() - t))
-    img_s = core.mean_std(rates)
+    per_step = time_steps(step, sync, steps, repeats, warm_up=3 if compile else 2)
+    est_time, est_std = run_steps * per_step[0], run_steps * per_step[1]
+    if proxy is not None:
+        def proxy_step(i):
+            train_cifar.train_step(pcfg, proxy.train(), proxy_opt, *batch(i, pcfg["batch_size"]), precision, device)
+        per_proxy_step = time_steps(proxy_step, sync, steps, repeats, warm_up=2)
+        est_time, est_std = est_time + proxy_steps * per_proxy_step[0], est_std + proxy_steps * per_proxy_step[1]
     return dict(preset=preset, overrides=overrides or {}, compile=compile, precision=precision, batch_size=bs,
-                flops_per_step=flops_step,
-                train_flops_per_run=flops_step * run_steps, img_per_s=img_s,
-                tflop_per_s=(img_s[0] * flops_step / bs / 1e12, img_s[1] * flops_step / bs / 1e12),
-                est_train_time_s=run_steps * bs / img_s[0])
+                candidates_per_step=drawn, flops_per_step=flops_step, train_flops_per_run=flops_run,
+                img_per_s=(bs / per_step[0], bs * per_step[1] / per_step[0] ** 2),
+                tflop_per_s=(flops_run / est_time / 1e12, flops_run * est_std / est_time ** 2 / 1e12),
+                est_train_time_s=est_time)
+
+
+def count_only(preset, overrides=None):
+    """A preset's training FLOPs, counted on PyTorch's meta device (shapes only, no arithmetic: instant on any
+    machine), with the parts data selection adds: scoring the candidates and training the proxy."""
+    meta = torch.device("meta")
+    cfg = train_cifar.make_config(preset, **dict(overrides or {}, precision="fp32"))
+    model = train_cifar.build_model(cfg, meta)
+    opt = train_cifar.make_optimizer(cfg, model)
+    per_step, steps, per_run = train_cifar.run_flops(cfg, model, opt, meta, "fp32", N_TRAIN)
+    net_step = train_cifar.step_flops(cfg, model, opt, meta, "fp32", cfg["batch_size"])
+    return dict(preset=preset, overrides=overrides or {}, batch_size=cfg["batch_size"],
+                candidates_per_step=train_cifar.candidate_batch_size(cfg), flops_per_step=per_step,
+                net_flops_per_step=net_step, scoring_flops_per_step=per_step - net_step, train_steps=steps,
+                proxy_train_flops=per_run - per_step * steps, train_flops_per_run=per_run)
 
 
 def matmul_peak(device, precision, size=None, repeats=5):
@@ -92,6 +132,8 @@ def main():
     p.add_argument("--compile", action="store_true", help="time the torch.compile'd step (compiled in the warm-up)")
     p.add_argument("--device", default=None)
     p.add_argument("--log-dir", default="logs")
+    p.add_argument("--flops-only", action="store_true",
+                   help="only count each preset's FLOPs (on the meta device, instant) and time nothing")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override an option of every preset, e.g. --set batch_size=2048")
     a = p.parse_args()
@@ -101,6 +143,22 @@ def main():
             train_cifar.make_config(preset, **overrides)
     except ValueError as e:
         p.error(str(e))
+    if a.flops_only:
+        info = dict(commit=core.git_commit(), torch=torch.__version__, overrides=overrides,
+                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+        table = core.Table(["preset", "PF/run", "TF/step", "steps", "scoring", "proxy PF"], width=11)
+        results = [count_only(preset, overrides) for preset in a.presets]
+        for r in results:
+            table.row({"preset": r["preset"], "PF/run": r["train_flops_per_run"] / 1e15,
+                       "TF/step": r["flops_per_step"] / 1e12, "steps": r["train_steps"],
+                       "scoring": f"{100 * r['scoring_flops_per_step'] / r['net_flops_per_step']:.1f}%",
+                       "proxy PF": r["proxy_train_flops"] / 1e15})
+        if a.log_dir:
+            os.makedirs(a.log_dir, exist_ok=True)
+            path = os.path.join(a.log_dir, f"flops_presets-{info['date'][:19].replace(':', '')}.json")
+            core.write_json_atomic(path, dict(info, results=results))
+            print(f"log: {path}")
+        return
     device = torch.device(a.device) if a.device else tb.default_device()
     info = dict(hardware=tb.device_name(device), torch=torch.__version__, commit=core.git_commit(),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -37,6 +37,9 @@ step fast94-sgd-n5 python train_cifar.py --preset fast94-sgd --data "$DATA" --de
 # 2c. fast95 (#3): n = 5 (about 10 s a run).
 step fast95-n5 python train_cifar.py --preset fast95 --data "$DATA" --device cuda --compile true --runs 5 \
     --log-dir "$LOGS"
+# 2d. fast96 (#3): n = 3 (a run is about 3x fast95's FLOPs).
+step fast96-n3 python train_cifar.py --preset fast96 --data "$DATA" --device cuda --compile true --runs 3 \
+    --log-dir "$LOGS"
 # 3. Throughput and achieved FLOP/s of every preset, eager and compiled (#3).
 step bench-presets python benchmarks/bench_presets.py --device cuda --log-dir "$LOGS"
 step bench-presets-compile python benchmarks/bench_presets.py --device cuda --compile --log-dir "$LOGS"

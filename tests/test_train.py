@@ -84,7 +84,11 @@ def test_train_api_learns_and_logs_every_required_field(cifar10, tmp_path):
     assert [(r["run"], r["epoch"]) for r in rows] == [("0", "1"), ("0", "2"), ("1", "1"), ("1", "2")]
 
 
-@pytest.mark.parametrize("preset, options", [("resnet9", TINY), ("resnet9-tricks", dict(TINY, batch_size=64))])
+@pytest.mark.parametrize("preset, options", [
+    ("resnet9", TINY), ("resnet9-tricks", dict(TINY, batch_size=64)),
+    # data selection: the proxy comes back from the checkpoint, not retrained
+    ("fast96", dict(TINY, widths=(8, 16, 16), proxy_widths=(4, 8, 8), proxy_epochs=1)),
+])
 def test_resumed_run_equals_uninterrupted_run(tmp_path, preset, options):
     data = synthetic(400, 100)
     cfg = train_cifar.make_config(preset, **options)
@@ -118,7 +122,11 @@ def test_every_preset_trains_with_its_own_options(preset):
     own = train_cifar.PRESETS[preset]
     widths = tuple(max(4, w // 8) for w in own["widths"])
     knots = tuple(k * 2 / own["epochs"] for k in own["lr_knots"])
-    cfg = train_cifar.make_config(preset, widths=widths, batch_size=64, epochs=2, lr_knots=knots, precision="fp32")
+    shrunk = dict(widths=widths, batch_size=64, epochs=2, lr_knots=knots, precision="fp32")
+    if own.get("proxy_epochs"):
+        shrunk.update(proxy_widths=tuple(max(4, w // 8) for w in own["proxy_widths"]),
+                      proxy_epochs=own["proxy_epochs"] * 2 / own["epochs"])
+    cfg = train_cifar.make_config(preset, **shrunk)
     dev = torch.device("cpu")
     data = synthetic(640, 100)
     tints = np.random.default_rng(1).integers(0, 128, (10, 3))  # a learnable signal: one colour per class
