@@ -399,12 +399,16 @@ def train_proxy(cfg, data, generator, device, precision):
     model = build_model(pcfg, device, data["train_x"], generator)
     opt = make_optimizer(pcfg, model)
     stream = pipeline.BatchStream(data, pcfg, generator, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     lr_at, per_epoch = lr_schedule(pcfg), steps_per_epoch(pcfg, len(data["train_y"]))
     model.train()
     for step in range(math.ceil(per_epoch * pcfg["epochs"])):
         for g in opt.param_groups:
             g["lr"] = lr_at(step / per_epoch) * g["lr_scale"]
-        train_step(pcfg, model, opt, *stream.next_batch(), precision, device)
+        _, loss = train_step(pcfg, model, opt, *stream.next_batch(), precision, device, scaler)
+    if not math.isfinite(loss.item()):  # a NaN proxy would select at random
+        raise Diverged(f"the data-selection proxy diverged (training loss {loss.item()}); try other --proxy-widths, "
+                       "--proxy-epochs or a lower --lr-values")
     return model.eval()
 
 

@@ -143,3 +143,12 @@ def test_flops_counted_on_the_meta_device_equal_those_counted_on_real_tensors():
     assert counted["flops_per_step"] == per_step and counted["train_steps"] == steps
     assert counted["train_flops_per_run"] == total
     assert counted["proxy_train_flops"] > 0 and 0 < counted["scoring_flops_per_step"] < counted["net_flops_per_step"]
+
+
+def test_a_diverged_proxy_stops_the_run_with_a_clear_error():
+    data = tinted(256, 50)
+    cfg = train_cifar.make_config("fast96", widths=(8, 16, 16), batch_size=32, epochs=2, proxy_widths=(4, 8, 8),
+                                  proxy_epochs=1, lr_values=(1e30, 1e30, 1e30), precision="fp32")
+    on_device = tb.to_device(tb.validate(data, "tiny"), CPU, torch.float32, pad=cfg["pad"])
+    with pytest.raises(train_cifar.Diverged, match="proxy diverged"):
+        train_cifar.run_once(cfg, on_device, 0, 0, CPU, "fp32", log=lambda *a: None)
