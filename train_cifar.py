@@ -816,8 +816,8 @@ def parse_args(argv):
         if isinstance(example, bool):
             p.add_argument(flag, type=str2bool, default=None, metavar="BOOL")
         elif isinstance(example, (tuple, list)):
-            p.add_argument(flag, type=float if k != "widths" else int, nargs="+", default=None)
-        elif k in ("epochs",) or isinstance(example, float):
+            p.add_argument(flag, type=int if k.endswith("widths") else float, nargs="+", default=None)
+        elif k in ("epochs", "proxy_epochs") or isinstance(example, float):
             p.add_argument(flag, type=float, default=None)
         elif isinstance(example, int):
             p.add_argument(flag, type=int, default=None)

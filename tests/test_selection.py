@@ -1,4 +1,5 @@
 """fast96's pieces: depth-3 fastnet blocks and data selection by a proxy net."""
+import json
 import math
 import os
 import sys
@@ -152,3 +153,18 @@ def test_a_diverged_proxy_stops_the_run_with_a_clear_error():
     on_device = tb.to_device(tb.validate(data, "tiny"), CPU, torch.float32, pad=cfg["pad"])
     with pytest.raises(train_cifar.Diverged, match="proxy diverged"):
         train_cifar.run_once(cfg, on_device, 0, 0, CPU, "fp32", log=lambda *a: None)
+
+
+def test_command_line_runs_data_selection_and_logs_the_proxy_flops(tmp_path):
+    from test_train import cli
+    np.savez(tmp_path / "tiny.npz", **tinted(400, 100))
+    r = cli("--preset", "fast96", "--data", str(tmp_path / "tiny.npz"), "--log-dir", str(tmp_path),
+            "--widths", "8", "16", "16", "--proxy-widths", "4", "8", "8", "--proxy-epochs", "0.5", "--epochs", "2",
+            "--batch-size", "50", "--lr-values", "0.05", "0.25", "0.02")
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads(next(tmp_path.glob("fast96-*.json")).read_text())
+    assert summary["config"]["proxy_widths"] == [4, 8, 8] and summary["config"]["proxy_epochs"] == 0.5
+    run = summary["runs"][0]
+    assert run["accuracy"] is not None and summary["train_steps"] == 2 * (400 // 100)
+    without_proxy = summary["train_flops_per_step"] * summary["train_steps"]
+    assert run["train_flops"] == summary["train_flops_per_run"] > without_proxy
