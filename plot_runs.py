@@ -1,0 +1,102 @@
+"""Plot the training curves of logged runs: test accuracy (and training loss) per epoch or against time, one line
+per run, with the target and each log's preset and seed in the legend.
+
+    python plot_runs.py logs/fast94-2026*.json                      # -> runs.png
+    python plot_runs.py logs/fast94-*.json --x time --out fast94.png
+
+Reads the JSON summaries train_cifar.py writes (several logs of one preset, e.g. seeds run by separate
+invocations, plot together). The last point of a run is its final accuracy, with TTA where the recipe uses it."""
+import argparse
+import json
+import math
+import os
+import sys
+
+
+class LogError(ValueError):
+    pass
+
+
+def load_summary(path):
+    try:
+        with open(path) as f:
+            summary = json.load(f)
+    except OSError as e:
+        raise LogError(f"cannot read {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise LogError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); is the file truncated?") from None
+    if not isinstance(summary, dict) or not isinstance(summary.get("runs"), list) or "preset" not in summary:
+        raise LogError(f"{path} is not a train_cifar.py summary (no preset and runs)")
+    return summary
+
+
+def curves(summary, x="epoch"):
+    """One (label, xs, test accuracies, training losses) per run; epochs that were not evaluated are skipped
+    for accuracy (NaN) but keep their loss."""
+    if x not in ("epoch", "time"):
+        raise LogError(f"x must be epoch or time, not {x!r}")
+    out = []
+    for run in summary["runs"]:
+        rows = run.get("epochs") or []
+        if not rows:
+            continue
+        xs = [r["epoch"] if x == "epoch" else r["total_time"] for r in rows]
+        acc = [r["test_acc"] if r["test_acc"] is not None else math.nan for r in rows]
+        label = f"{summary['preset']} seed {run['seed']}"
+        if run.get("accuracy") is not None:
+            label += f": {100 * run['accuracy']:.2f}%"
+        out.append((label, xs, acc, [r["train_loss"] for r in rows]))
+    return out
+
+
+def plot(summaries, out, x="epoch"):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
+    targets = set()
+    n = 0
+    for s in summaries:
+        targets.add(s["config"]["target"])
+        for label, xs, acc, loss in curves(s, x):
+            pts = [(a, b) for a, b in zip(xs, acc) if not math.isnan(b)]
+            ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o", ms=3, label=label)
+            ax2.plot(xs, loss, marker="o", ms=3, label=label)
+            n += 1
+    if not n:
+        raise LogError("none of the logs has a run with per-epoch rows")
+    for t in targets:
+        ax.axhline(100 * t, color="k", ls="--", lw=1)
+    xlabel = "epoch" if x == "epoch" else "training time (s, the run's timer)"
+    ax.set(xlabel=xlabel, ylabel="test accuracy (%)", title="test accuracy (last point: final, with TTA)")
+    lo = min(90.0, *(100 * t - 2 for t in targets))
+    ax.set_ylim(lo, 100)
+    ax2.set(xlabel=xlabel, ylabel="training loss", title="training loss (label smoothing included)")
+    for a in (ax, ax2):
+        a.grid(alpha=0.3)
+        a.legend(fontsize=7)
+    hardware = sorted({s.get("hardware", "?") for s in summaries})
+    fig.suptitle("; ".join(hardware), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return n
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("logs", nargs="+", help="JSON summaries written by train_cifar.py")
+    p.add_argument("--x", choices=["epoch", "time"], default="epoch")
+    p.add_argument("--out", default="runs.png")
+    a = p.parse_args(argv)
+    try:
+        n = plot([load_summary(path) for path in a.logs], a.out, a.x)
+    except LogError as e:
+        print(f"plot_runs.py: error: {e}", file=sys.stderr)
+        return 2
+    print(f"{n} runs -> {os.path.abspath(a.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
