@@ -184,9 +184,11 @@ def check_config(cfg):
 def check_distributed(cfg, world):
     """Checks that need the world size; train() makes them on every rank before the process group exists."""
     bs = cfg["batch_size"]
-    if bs % world or candidate_batch_size(cfg) % world:
-        raise ValueError(f"global batch size {bs} (candidates {candidate_batch_size(cfg)}) is not divisible by the "
-                         f"{world} processes")
+    if bs % world:
+        raise ValueError(f"global batch size {bs} is not divisible by the {world} processes")
+    if candidate_batch_size(cfg) % world:
+        raise ValueError(f"the {candidate_batch_size(cfg)} candidates a step (batch size / select-fraction) are not "
+                         f"divisible by the {world} processes")
     local = bs // world
     if cfg["bn_group_size"] and local % cfg["bn_group_size"]:
         raise ValueError(f"per-process batch {local} is not divisible into BN groups of {cfg['bn_group_size']}")

@@ -116,3 +116,17 @@ def test_two_processes_follow_the_whitening_bias_freeze(tiny_npz, tmp_path):
     losses = [[e["train_loss"] for e in summary(tmp_path / d)["runs"][0]["epochs"]] for d in ("one", "two")]
     assert len(losses[1]) == 2
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+
+
+def test_data_selection_runs_under_torchrun(tiny_npz, tmp_path):
+    """Each process scores its own slice of the candidates and keeps its share of the batch: the global batch
+    stays batch_size, and an epoch is a pass over the candidates."""
+    small = ["--preset", "fast96", "--widths", "8", "8", "8", "--proxy-widths", "4", "4", "4", "--proxy-epochs", "1",
+             "--batch-size", "40", "--epochs", "1", "--lr-values", "0.05", "0.25", "0.02", "--precision", "fp32",
+             "--device", "cpu"]
+    odd = torchrun(2, "--data", tiny_npz, "--log-dir", "", *small, "--select-fraction", "0.66")
+    assert odd.returncode != 0 and "the 61 candidates a step (batch size / select-fraction) are not" in odd.stderr
+    two = torchrun(2, "--data", tiny_npz, "--log-dir", str(tmp_path), *small)
+    assert two.returncode == 0, two.stderr[-2000:]
+    s = summary(tmp_path)
+    assert s["world_size"] == 2 and s["train_steps"] == 400 // 80 and s["runs"][0]["accuracy"] is not None
