@@ -54,12 +54,13 @@ def plot(summaries, out, x="epoch"):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
-    targets = set()
+    targets, lowest = set(), 100.0
     n = 0
     for s in summaries:
         targets.add(s["config"]["target"])
         for label, xs, acc, loss in curves(s, x):
             pts = [(a, b) for a, b in zip(xs, acc) if not math.isnan(b)]
+            lowest = min([lowest] + [100 * b for _, b in pts])
             ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o", ms=3, label=label)
             ax2.plot(xs, loss, marker="o", ms=3, label=label)
             n += 1
@@ -69,8 +70,7 @@ def plot(summaries, out, x="epoch"):
         ax.axhline(100 * t, color="k", ls="--", lw=1)
     xlabel = "epoch" if x == "epoch" else "training time (s, the run's timer)"
     ax.set(xlabel=xlabel, ylabel="test accuracy (%)", title="test accuracy (last point: final, with TTA)")
-    lo = min(90.0, *(100 * t - 2 for t in targets))
-    ax.set_ylim(lo, 100)
+    ax.set_ylim(max(0.0, math.floor(min(lowest, *(100 * t for t in targets)) - 1)), 100)
     ax2.set(xlabel=xlabel, ylabel="training loss", title="training loss (label smoothing included)")
     for a in (ax, ax2):
         a.grid(alpha=0.3)
