@@ -384,6 +384,16 @@ def steps_per_epoch(cfg, n_train):
     return n_train // candidate_batch_size(cfg)
 
 
+def run_steps(cfg, n_train):
+    return math.ceil(steps_per_epoch(cfg, n_train) * cfg["epochs"])
+
+
+def set_lr(opt, lr):
+    """The schedule's LR, scaled per parameter group (biases, Muon's filters)."""
+    for g in opt.param_groups:
+        g["lr"] = lr * g["lr_scale"]
+
+
 def proxy_config(cfg):
     """The proxy that scores candidates for data selection: a small depth-2 fastnet trained on all the data with
     the run's recipe squeezed into proxy_epochs (no selection, lookahead, EMA or ghost BN of its own)."""
@@ -404,9 +414,8 @@ def train_proxy(cfg, data, generator, device, precision):
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     lr_at, per_epoch = lr_schedule(pcfg), steps_per_epoch(pcfg, len(data["train_y"]))
     model.train()
-    for step in range(math.ceil(per_epoch * pcfg["epochs"])):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step / per_epoch) * g["lr_scale"]
+    for step in range(run_steps(pcfg, len(data["train_y"]))):
+        set_lr(opt, lr_at(step / per_epoch))
         _, loss = train_step(pcfg, model, opt, *stream.next_batch(), precision, device, scaler)
     if not math.isfinite(loss.item()):  # a NaN proxy would select at random
         raise Diverged(f"the data-selection proxy diverged (training loss {loss.item()}); try other --proxy-widths, "
@@ -445,14 +454,13 @@ def run_flops(cfg, model, opt, device, precision, n_train):
     """(FLOPs per step, steps, FLOPs of a whole run). With data selection a step also scores its candidates
     with the proxy, and the run also trains the proxy."""
     per_step = step_flops(cfg, model, opt, device, precision, cfg["batch_size"])
-    steps = math.ceil(steps_per_epoch(cfg, n_train) * cfg["epochs"])
+    steps = run_steps(cfg, n_train)
     proxy_total = 0
     if cfg["select_fraction"] < 1:
         pcfg = proxy_config(cfg)
         proxy = build_model(pcfg, device)
-        proxy_steps = math.ceil(steps_per_epoch(pcfg, n_train) * pcfg["epochs"])
         proxy_step = step_flops(pcfg, proxy, make_optimizer(pcfg, proxy), device, precision, pcfg["batch_size"])
-        proxy_total = proxy_step * proxy_steps
+        proxy_total = proxy_step * run_steps(pcfg, n_train)
         x = torch.randn(candidate_batch_size(cfg), 3, 32, 32, device=device).to(memory_format=torch.channels_last)
         y = torch.zeros(len(x), dtype=torch.long, device=device)
         per_step += tb.count_flops(lambda: select_hardest(proxy.eval(), x, y, cfg["batch_size"], precision, device))
@@ -472,7 +480,7 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
     gen = torch.Generator(device=device).manual_seed(seed)
     n_train, bs = len(data["train_y"]), cfg["batch_size"]
     per_epoch = steps_per_epoch(cfg, n_train)
-    total_steps = math.ceil(per_epoch * cfg["epochs"])
+    total_steps = run_steps(cfg, n_train)
     lr_at = lr_schedule(cfg)
     local_bs = bs // world
     lookahead, rows = None, []
@@ -548,8 +556,7 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
             if step >= total_steps:
                 break
             lr = lr_at(step / per_epoch)
-            for g in opt.param_groups:
-                g["lr"] = lr * g["lr_scale"]
+            set_lr(opt, lr)
             x, y = stream.next_batch(rank * local_candidates, (rank + 1) * local_candidates)  # this process's slice
             if proxy is not None:
                 x, y = select_hardest(proxy, x, y, local_bs, precision, device)

@@ -9,7 +9,6 @@ candidates, and the proxy's own training steps) on random data of CIFAR-10's sha
 no data set; mean ± std over repeats. img/s counts the images trained on. Writes logs/bench_presets-*.json."""
 import argparse
 import datetime
-import math
 import os
 import sys
 import time
@@ -61,7 +60,8 @@ def measure(preset, device, steps, repeats, compile=False, overrides=None):
         pcfg = train_cifar.proxy_config(cfg)
         proxy = train_cifar.build_model(pcfg, device)
         proxy_opt = train_cifar.make_optimizer(pcfg, proxy)
-        proxy_steps = math.ceil(train_cifar.steps_per_epoch(pcfg, N_TRAIN) * pcfg["epochs"])
+        proxy_steps = train_cifar.run_steps(pcfg, N_TRAIN)
+        proxy.eval()  # scoring first; its own training steps are timed after
 
     def batch(i, size):
         start = (i * size) % (N_TRAIN - size)
@@ -72,14 +72,16 @@ def measure(preset, device, steps, repeats, compile=False, overrides=None):
     def step(i):
         x, y = batch(i, drawn)
         if proxy is not None:
-            x, y = train_cifar.select_hardest(proxy.eval(), x, y, bs, precision, device)
+            x, y = train_cifar.select_hardest(proxy, x, y, bs, precision, device)
         train_cifar.train_step(cfg, step_fn, opt, x, y, precision, device)
 
     per_step = time_steps(step, sync, steps, repeats, warm_up=3 if compile else 2)
     est_time, est_std = run_steps * per_step[0], run_steps * per_step[1]
     if proxy is not None:
+        proxy.train()
+
         def proxy_step(i):
-            train_cifar.train_step(pcfg, proxy.train(), proxy_opt, *batch(i, pcfg["batch_size"]), precision, device)
+            train_cifar.train_step(pcfg, proxy, proxy_opt, *batch(i, pcfg["batch_size"]), precision, device)
         per_proxy_step = time_steps(proxy_step, sync, steps, repeats, warm_up=2)
         est_time, est_std = est_time + proxy_steps * per_proxy_step[0], est_std + proxy_steps * per_proxy_step[1]
     return dict(preset=preset, overrides=overrides or {}, compile=compile, precision=precision, batch_size=bs,
