@@ -467,6 +467,25 @@ def run_flops(cfg, model, opt, device, precision, n_train):
     return per_step, steps, per_step * steps + proxy_total
 
 
+def checkpoint_mismatch(state, cfg, seed, precision):
+    """Why a saved run cannot continue as this one, or None. Precision is compared as resolved, so a run that
+    `auto` put in fp32 continues under `--precision fp32` (checkpoints from before this was saved compare
+    the option as given)."""
+    if state["seed"] != seed:
+        return f"holds seed {state['seed']}, not {seed}; remove it or pass another --checkpoint"
+    if "precision" in state:
+        if state["precision"] != precision:
+            return f"trained in {state['precision']}; pass --precision {state['precision']} to continue it"
+        cfg, saved = dict(cfg, precision=None), dict(state["cfg"], precision=None)
+    else:
+        saved = state["cfg"]
+    differ = sorted(k for k in set(cfg) | set(saved) if cfg.get(k) != saved.get(k))
+    if differ:
+        return (f"belongs to another configuration (differs in {', '.join(differ)}); "
+                "remove it or pass another --checkpoint")
+    return None
+
+
 def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=None, checkpoint=None,
              rank=0, world=1):
     """Trains one network from scratch and returns its result entry (the `runs` item of the summary).
@@ -507,9 +526,9 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
     state = None
     if checkpoint and os.path.exists(checkpoint):
         state = torch.load(checkpoint, map_location=device, weights_only=False)
-        if state["cfg"] != cfg or state["seed"] != seed:
-            raise ValueError(f"checkpoint {checkpoint} belongs to another configuration or seed; "
-                             "remove it or pass another --checkpoint")
+        why = checkpoint_mismatch(state, cfg, seed, precision)
+        if why:
+            raise ValueError(f"checkpoint {checkpoint} {why}")
     proxy = None
     if cfg["select_fraction"] < 1:  # trained within the timer; a resumed run takes it from the checkpoint
         if state is None:
@@ -618,7 +637,7 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
             result.update(accuracy=test_acc, total_time_s=timer.total)
         if checkpoint:
             tmp = checkpoint + ".tmp"
-            torch.save(dict(cfg=cfg, seed=seed, model=model.state_dict(), opt=opt.state_dict(),
+            torch.save(dict(cfg=cfg, seed=seed, precision=precision, model=model.state_dict(), opt=opt.state_dict(),
                             scaler=scaler.state_dict(), lookahead=lookahead.avg if lookahead else None,
                             ema=ema.avg if ema is not None else None,
                             proxy=proxy.state_dict() if proxy is not None else None,

@@ -111,8 +111,20 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, preset, options):
     assert [r["train_loss"] for r in resumed["epochs"]] == [r["train_loss"] for r in full["epochs"]]
     assert resumed["accuracy"] == full["accuracy"]
     other = train_cifar.make_config(preset, **dict(options, epochs=3))
-    with pytest.raises(ValueError, match="another configuration"):
+    with pytest.raises(ValueError, match=r"another configuration \(differs in epochs\)"):
         train_cifar.run_once(other, on_device, 0, 7, dev, "fp32", checkpoint=ckpt)
+
+
+def test_checkpoint_mismatch_compares_precision_as_resolved():
+    cfg = train_cifar.make_config("fast94")  # precision "auto"
+    state = dict(cfg=cfg, seed=4, precision="fp32")
+    assert train_cifar.checkpoint_mismatch(state, dict(cfg, precision="fp32"), 4, "fp32") is None
+    assert "pass --precision fp32" in train_cifar.checkpoint_mismatch(state, cfg, 4, "bf16")
+    assert "holds seed 4, not 5" in train_cifar.checkpoint_mismatch(state, cfg, 5, "fp32")
+    assert "differs in lr_values" in train_cifar.checkpoint_mismatch(state, dict(cfg, lr_values=(1, 0)), 4, "fp32")
+    legacy = dict(cfg=cfg, seed=4)  # saved before the resolved precision was: the option must match as given
+    assert train_cifar.checkpoint_mismatch(legacy, cfg, 4, "fp32") is None
+    assert "differs in precision" in train_cifar.checkpoint_mismatch(legacy, dict(cfg, precision="fp32"), 4, "fp32")
 
 
 @pytest.mark.parametrize("preset", list(train_cifar.PRESETS))
