@@ -188,7 +188,7 @@ def one_run(args, workload, data, device, mode, factor, seed, log):
                               seed=seed, stop_at_target=True, **overrides)
         run = s["runs"][0]
         per_epoch = train_cifar.steps_per_epoch(cfg, len(data["train_y"]))
-        total_steps = math.ceil(per_epoch * cfg["epochs"])
+        total_steps = train_cifar.run_steps(cfg, len(data["train_y"]))
         ep = run["epoch_reached_target"]
         steps = run.get("step_reached_target")  # set when a step-interval evaluation (eval_every_steps) hit it
         if steps is None and ep is not None:  # else: at the end of epoch ep
