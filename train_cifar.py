@@ -558,6 +558,9 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
         timer(include_in_total=False)
         timer.total = state["timer_total"]
         log(f"resumed from {checkpoint} after epoch {state['epoch']} ({timer.total:.1f} s trained)")
+        for row in rows:  # so this invocation's table and TSV hold the whole run, not only what it trained
+            if on_epoch:
+                on_epoch(row)
         if result["accuracy"] is not None:  # that run had finished
             return result
     for epoch in range(start_epoch, math.ceil(total_steps / per_epoch) + 1):

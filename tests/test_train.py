@@ -105,9 +105,12 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, preset, options):
     ckpt = str(tmp_path / "run.pt")
     with pytest.raises(Stop):
         train_cifar.run_once(cfg, on_device, 0, 7, dev, "fp32", on_epoch=crash_in_epoch_2, checkpoint=ckpt)
-    said = []
-    resumed = train_cifar.run_once(cfg, on_device, 0, 7, dev, "fp32", log=said.append, checkpoint=ckpt)
+    said, reported = [], []
+    resumed = train_cifar.run_once(cfg, on_device, 0, 7, dev, "fp32", log=said.append, checkpoint=ckpt,
+                                   on_epoch=reported.append)
     assert said and said[0].startswith(f"resumed from {ckpt} after epoch 1")
+    assert reported == resumed["epochs"]  # the restored epoch 1 too, so the TSV holds the whole run
+    assert [r["epoch"] for r in reported] == [r["epoch"] for r in full["epochs"]]
     assert [r["train_loss"] for r in resumed["epochs"]] == [r["train_loss"] for r in full["epochs"]]
     assert resumed["accuracy"] == full["accuracy"]
     other = train_cifar.make_config(preset, **dict(options, epochs=3))
