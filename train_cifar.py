@@ -83,8 +83,8 @@ PRESETS = {
     # orthogonalised (Muon) updates at 0.15x the schedule's LR with momentum 0.6 and keep their norm, the rest
     # is Nesterov SGD. 8 epochs at batch 2000, LR falling linearly from the start, no lookahead: 0.285 PF.
     # In the form of airbench94's Muon record (94.01%, n=200, 0.29 PF on an A100); decay per step and the
-    # biases' and head's LR match it in this mean-loss form. Here (fp32, AVX2 CPU): 93.99 ± 0.21% (n=4: 94.01,
-    # 94.06, 94.19, 93.69), logs/fast94-20261130-112311-24691.json and fast94-20261130-134656-31566.json.
+    # biases' and head's LR match it in this mean-loss form. Here (fp32, AVX2 CPU): 93.97 ± 0.19% (n=5: 94.01,
+    # 94.06, 94.19, 93.69, 93.90), logs/fast94-20261130-112311-24691, -134656-31566 and -163650-8436.
     "fast94": dict(
         net="fastnet", widths=(64, 256, 256), epochs=8, batch_size=2000,
         lr_knots=(0, 8), lr_values=(1.6, 0.0), momentum=0.85, weight_decay=2.5e-3,
