@@ -503,9 +503,13 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
     lr_at = lr_schedule(cfg)
     local_bs = bs // world
     lookahead, rows = None, []
+    # A run resumed from a checkpoint may span sessions, machines and commits: each invocation that trained part
+    # of it adds a segment saying where its epochs ran (the summary's hardware and commit are the last one's).
+    segment = dict(first_epoch=1, hardware=tb.device_name(device), commit=core.git_commit(), torch=torch.__version__,
+                   started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     result = dict(seed=seed, accuracy=None, epoch_reached_target=None, time_to_target_s=None,
                   fresh_to_target=None, step_reached_target=None, total_time_s=None, train_flops=None,
-                  diverged=False, epochs=rows, evals=[])
+                  diverged=False, epochs=rows, evals=[], segments=[segment])
 
     timer = core.Timer(sync)
     model = build_model(cfg, device, data["train_x"], gen)  # the whitening is fitted to data: timed
@@ -555,6 +559,10 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
         step, start_epoch = state["step"], state["epoch"] + 1
         rows.extend(state["result"]["epochs"])
         result.update({k: v for k, v in state["result"].items() if k != "epochs"})
+        if "segments" not in state["result"]:  # saved before segments were recorded: that part's origin is unknown
+            result["segments"] = [dict(first_epoch=1, hardware=None, commit=None, torch=None, started=None)]
+        if result["accuracy"] is None:
+            result["segments"] = result["segments"] + [dict(segment, first_epoch=state["epoch"] + 1)]
         timer(include_in_total=False)
         timer.total = state["timer_total"]
         log(f"resumed from {checkpoint} after epoch {state['epoch']} ({timer.total:.1f} s trained)")

@@ -105,6 +105,9 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, preset, options):
     ckpt = str(tmp_path / "run.pt")
     with pytest.raises(Stop):
         train_cifar.run_once(cfg, on_device, 0, 7, dev, "fp32", on_epoch=crash_in_epoch_2, checkpoint=ckpt)
+    legacy = torch.load(ckpt, weights_only=False)  # as saved before segments were recorded
+    del legacy["result"]["segments"]
+    torch.save(legacy, str(tmp_path / "legacy.pt"))
     said, reported = [], []
     resumed = train_cifar.run_once(cfg, on_device, 0, 7, dev, "fp32", log=said.append, checkpoint=ckpt,
                                    on_epoch=reported.append)
@@ -113,6 +116,14 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, preset, options):
     assert [r["epoch"] for r in reported] == [r["epoch"] for r in full["epochs"]]
     assert [r["train_loss"] for r in resumed["epochs"]] == [r["train_loss"] for r in full["epochs"]]
     assert resumed["accuracy"] == full["accuracy"]
+    # where each part ran: epoch 1 by the first invocation, the rest by the one that resumed
+    assert [seg["first_epoch"] for seg in full["segments"]] == [1]
+    assert [seg["first_epoch"] for seg in resumed["segments"]] == [1, 2]
+    assert all(seg["hardware"] == tb.device_name(dev) and seg["commit"] for seg in resumed["segments"])
+    from_legacy = train_cifar.run_once(cfg, on_device, 0, 7, dev, "fp32", log=lambda *a: None,
+                                       checkpoint=str(tmp_path / "legacy.pt"))
+    assert [(seg["first_epoch"], seg["hardware"]) for seg in from_legacy["segments"]] == [(1, None),
+                                                                                         (2, tb.device_name(dev))]
     other = train_cifar.make_config(preset, **dict(options, epochs=3))
     with pytest.raises(ValueError, match=r"another configuration \(differs in epochs\)"):
         train_cifar.run_once(other, on_device, 0, 7, dev, "fp32", checkpoint=ckpt)
