@@ -355,37 +355,43 @@ def resnet9(widths=(64, 128, 256, 512), head_scale=0.125):
 
 
 class PreActBlock(nn.Module):
-    """Pre-activation basic block. `duplicate_bn_relu` gives the shortcut its own BN-ReLU, as in the
-    DAWNBench baseline; the simplified variant shares the main branch's (He et al. 2016)."""
+    """Pre-activation basic block (He et al. 2016): BN-ReLU, then two 3x3 convs; a projection shortcut (1x1 conv,
+    where the shape changes) reads the same pre-activated input as the main branch."""
 
-    def __init__(self, c_in, c_out, stride, duplicate_bn_relu):
+    def __init__(self, c_in, c_out, stride):
         super().__init__()
         self.bn1 = nn.BatchNorm2d(c_in)
         self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(c_out)
         self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
-        self.shortcut = None
-        if stride != 1 or c_in != c_out:
-            self.shortcut = nn.Conv2d(c_in, c_out, 1, stride, bias=False)
-            self.shortcut_bn = nn.BatchNorm2d(c_in) if duplicate_bn_relu else None
+        self.shortcut = nn.Conv2d(c_in, c_out, 1, stride, bias=False) if stride != 1 or c_in != c_out else None
 
     def forward(self, x):
         a = F.relu(self.bn1(x))
-        if self.shortcut is None:
-            skip = x
-        else:
-            skip = self.shortcut(F.relu(self.shortcut_bn(x)) if self.shortcut_bn is not None else a)
+        skip = x if self.shortcut is None else self.shortcut(a)
         return skip + self.conv2(F.relu(self.bn2(self.conv1(a))))
 
 
-def preact_resnet18(duplicate_bn_relu=False, widths=(64, 128, 256, 512)):
+class ConcatPool(nn.Module):
+    """Global average and max pooling side by side: (N, C, H, W) -> (N, 2C)."""
+
+    def forward(self, x):
+        return torch.cat([x.mean((2, 3)), x.amax((2, 3))], dim=1)
+
+
+def preact_resnet18(prep_bn_relu=False, widths=(64, 128, 256, 256)):
+    """The 18-layer pre-activation ResNet of the DAWNBench single-GPU baseline (bkj/basenet, 2018): a 3x3 prep
+    conv, four stages of two blocks (the last stage 256 wide, not 512), concatenated average and max pooling,
+    a linear head. The entry's prep conv is followed by BN-ReLU, which the first block's own BN-ReLU then
+    duplicates (`prep_bn_relu=True`); Myrtle's post 1 drops it (the default here)."""
     layers, c_in = [nn.Conv2d(3, widths[0], 3, 1, 1, bias=False)], widths[0]
+    if prep_bn_relu:
+        layers += [nn.BatchNorm2d(c_in), nn.ReLU(inplace=True)]
     for i, w in enumerate(widths):
         for j in range(2):
-            layers.append(PreActBlock(c_in, w, 2 if (i > 0 and j == 0) else 1, duplicate_bn_relu))
+            layers.append(PreActBlock(c_in, w, 2 if (i > 0 and j == 0) else 1))
             c_in = w
-    layers += [nn.BatchNorm2d(c_in), nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-               nn.Linear(c_in, NUM_CLASSES)]
+    layers += [ConcatPool(), nn.Linear(2 * c_in, NUM_CLASSES)]
     return nn.Sequential(*layers)
 
 

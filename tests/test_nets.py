@@ -1,5 +1,6 @@
 import pytest
 import torch
+import torch.nn.functional as F
 
 import torch_backend as tb
 
@@ -17,10 +18,22 @@ def test_patch_whitening_makes_patch_covariance_identity():
     torch.testing.assert_close(out.T @ out / len(out), torch.eye(12, dtype=torch.float64), atol=1e-6, rtol=0)
 
 
+def dawnbench_resnet18_params(prep_bn_relu, widths=(64, 128, 256, 256)):
+    """Parameter count of the DAWNBench ResNet-18 from its description (bkj/basenet, 2018)."""
+    n = 3 * widths[0] * 9 + (2 * widths[0] if prep_bn_relu else 0)
+    c_in = widths[0]
+    for stage, w in enumerate(widths):
+        for j in range(2):
+            projection = (stage > 0 and j == 0) or c_in != w  # stride 2, or a change of width
+            n += 2 * c_in + c_in * w * 9 + 2 * w + w * w * 9 + (c_in * w if projection else 0)
+            c_in = w
+    return n + 2 * c_in * 10 + 10
+
+
 @pytest.mark.parametrize("make, params", [
     (lambda: tb.resnet9(), 6_573_120),            # Myrtle's ResNet-9
-    # the common CIFAR pre-activation ResNet-18 (11,171,146) plus the final BN before pooling of He et al. 2016
-    (lambda: tb.preact_resnet18(False), 11_171_146 + 2 * 512),
+    (lambda: tb.preact_resnet18(True), dawnbench_resnet18_params(True)),
+    (lambda: tb.preact_resnet18(False), dawnbench_resnet18_params(False)),
 ])
 def test_reference_nets_have_their_published_size(make, params):
     net = make()
@@ -28,10 +41,37 @@ def test_reference_nets_have_their_published_size(make, params):
     assert net(torch.randn(2, 3, 32, 32)).shape == (2, 10)
 
 
-def test_duplicated_bn_relu_variant_adds_only_shortcut_batch_norms():
-    plain, dup = tb.preact_resnet18(False), tb.preact_resnet18(True)
-    extra = sum(p.numel() for p in dup.parameters()) - sum(p.numel() for p in plain.parameters())
-    assert extra == 2 * (64 + 128 + 256)  # a BN (weight and bias) on each of the three projection shortcuts
+@pytest.mark.parametrize("prep_bn_relu", [True, False])
+def test_preact_resnet18_computes_the_dawnbench_net(prep_bn_relu):
+    """Forward pass against a functional reference of the DAWNBench ResNet-18: prep conv (+ BN-ReLU), blocks whose
+    projection shortcut reads the pre-activated input, average and max pooling concatenated, linear head."""
+    torch.manual_seed(0)
+    widths = (4, 6, 8, 8)
+    net = tb.preact_resnet18(prep_bn_relu, widths).double()
+    for m in net.modules():  # non-trivial BN affine parameters, so a misplaced BN shows
+        if isinstance(m, torch.nn.BatchNorm2d):
+            torch.nn.init.uniform_(m.weight, 0.5, 1.5), torch.nn.init.uniform_(m.bias, -0.5, 0.5)
+    x = torch.randn(5, 3, 16, 16, dtype=torch.float64)
+
+    def bn_relu(bn, t):
+        return F.relu(F.batch_norm(t, None, None, bn.weight, bn.bias, training=True))
+
+    mods = list(net)
+    t = F.conv2d(x, mods[0].weight, padding=1)
+    rest = mods[1:]
+    if prep_bn_relu:
+        t, rest = bn_relu(mods[1], t), mods[3:]
+    blocks, linear = rest[:8], rest[-1]
+    strides = [1, 1, 2, 1, 2, 1, 2, 1]
+    for b, s in zip(blocks, strides):
+        a = bn_relu(b.bn1, t)
+        skip = t if b.shortcut is None else F.conv2d(a, b.shortcut.weight, stride=s)
+        h = F.conv2d(a, b.conv1.weight, stride=s, padding=1)
+        t = skip + F.conv2d(bn_relu(b.bn2, h), b.conv2.weight, padding=1)
+    pooled = torch.cat([t.mean((2, 3)), t.amax((2, 3))], 1)
+    want = F.linear(pooled, linear.weight, linear.bias)
+    assert [b.shortcut is not None for b in blocks] == [False, False, True, False, True, False, True, False]
+    torch.testing.assert_close(net.train()(x), want)
 
 
 def test_tta_weights_and_views():
