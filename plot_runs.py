@@ -3,8 +3,10 @@ per run, with the target and each log's preset and seed in the legend.
 
     python plot_runs.py logs/fast94-2026*.json                      # -> runs.png
     python plot_runs.py logs/fast94-*.json --x time --out fast94.png
+    python plot_runs.py logs/resnet9-*.json --reference logs/reference/myrtle-resnet9-v100.tsv
 
-Reads the JSON summaries train_cifar.py writes (several logs of one preset, e.g. seeds run by separate
+With --reference (a published per-epoch curve, see logs/reference/), it also prints each run's test accuracy
+beside the reference's, epoch by epoch. Reads the JSON summaries train_cifar.py writes (several logs of one preset, e.g. seeds run by separate
 invocations, plot together). The last point of a run is its final accuracy, with TTA where the recipe uses it."""
 import argparse
 import json
@@ -12,9 +14,39 @@ import math
 import os
 import sys
 
+import core
+
 
 class LogError(ValueError):
     pass
+
+
+def load_reference(path):
+    """A published per-epoch curve (TSV with columns epoch, test_acc as a fraction): (label, epochs, accuracies)."""
+    try:
+        rows = core.read_tsv(path)
+    except OSError as e:
+        raise LogError(f"cannot read {path}: {e.strerror}") from None
+    try:
+        epochs = [int(r["epoch"]) for r in rows]
+        acc = [float(r["test_acc"]) for r in rows]
+    except (KeyError, ValueError):
+        raise LogError(f"{path} is not a reference curve (a TSV with numeric epoch and test_acc columns)") from None
+    if not rows or epochs != sorted(set(epochs)) or not all(0.0 <= a <= 1.0 for a in acc):
+        raise LogError(f"{path}: epochs must increase and test_acc be fractions in [0, 1]")
+    return os.path.splitext(os.path.basename(path))[0], epochs, acc
+
+
+def comparison(summaries, references):
+    """Rows of {epoch, <run label>: test accuracy, <reference label>: accuracy} over every epoch any of them has."""
+    columns = {}
+    for s in summaries:
+        for run, (_, xs, acc, _) in zip([r for r in s["runs"] if r.get("epochs")], curves(s, "epoch")):
+            columns[f"{s['preset']}-seed{run['seed']}"] = dict(zip(xs, acc))
+    for label, epochs, acc in references:
+        columns[label] = dict(zip(epochs, acc))
+    epochs = sorted({e for c in columns.values() for e in c})
+    return list(columns), [dict({"epoch": e}, **{k: c[e] for k, c in columns.items() if e in c}) for e in epochs]
 
 
 def load_summary(path):
@@ -49,7 +81,7 @@ def curves(summary, x="epoch"):
     return out
 
 
-def plot(summaries, out, x="epoch"):
+def plot(summaries, out, x="epoch", references=()):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -66,6 +98,9 @@ def plot(summaries, out, x="epoch"):
             n += 1
     if not n:
         raise LogError("none of the logs has a run with per-epoch rows")
+    for label, epochs, acc in references:
+        ax.plot(epochs, [100 * a for a in acc], color="0.4", ls=":", marker="x", ms=3, label=f"{label} (published)")
+        lowest = min([lowest] + [100 * a for a in acc])
     for t in targets:
         ax.axhline(100 * t, color="k", ls="--", lw=1)
     xlabel = "epoch" if x == "epoch" else "training time (s, the run's timer)"
@@ -88,12 +123,24 @@ def main(argv=None):
     p.add_argument("logs", nargs="+", help="JSON summaries written by train_cifar.py")
     p.add_argument("--x", choices=["epoch", "time"], default="epoch")
     p.add_argument("--out", default="runs.png")
+    p.add_argument("--reference", action="append", default=[], metavar="TSV",
+                   help="a published per-epoch curve to draw and compare with (logs/reference/*.tsv); repeatable")
     a = p.parse_args(argv)
     try:
-        n = plot([load_summary(path) for path in a.logs], a.out, a.x)
+        if a.reference and a.x != "epoch":
+            raise LogError("reference curves are per epoch and from other hardware: plot them with --x epoch")
+        summaries = [load_summary(path) for path in a.logs]
+        references = [load_reference(path) for path in a.reference]
+        n = plot(summaries, a.out, a.x, references)
     except LogError as e:
         print(f"plot_runs.py: error: {e}", file=sys.stderr)
         return 2
+    if references:
+        names, rows = comparison(summaries, references)
+        table = core.Table(["epoch"] + names, width=max(10, *(len(c) + 1 for c in names)))
+        for r in rows:
+            cells = {k: "-" if k not in r else "nan" if math.isnan(r[k]) else f"{100 * r[k]:.2f}" for k in names}
+            table.row(dict(cells, epoch=r["epoch"]))
     print(f"{n} runs -> {os.path.abspath(a.out)}")
     return 0
 

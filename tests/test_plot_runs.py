@@ -1,12 +1,15 @@
 import csv
 import json
 import math
+import os
 
 import pytest
 
 import plot_runs
 import train_cifar
 from conftest import synthetic
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -53,3 +56,55 @@ def test_bad_logs_exit_2_with_one_line(tmp_path, capsys, content, message):
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and not (tmp_path / "x.png").exists()
     assert plot_runs.main([str(tmp_path / "missing.json")]) == 2
+
+
+def write_reference(path, rows):
+    path.write_text("epoch\ttotal_time\ttest_acc\n" + "".join(f"{e}\t{10.0 * e}\t{a}\n" for e, a in rows))
+    return str(path)
+
+
+def test_reference_is_compared_epoch_by_epoch(logged, tmp_path, capsys):
+    ref = write_reference(tmp_path / "published.tsv", [(1, 0.5), (2, 0.625), (3, 0.75), (4, 0.8)])
+    out = tmp_path / "runs.png"
+    assert plot_runs.main([logged[0], "--reference", ref, "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = capsys.readouterr().out.splitlines()
+    header = lines[0].split()
+    assert header[0] == "epoch" and header[-1] == "published"
+    with open(logged[1]) as f:
+        table = list(csv.DictReader(f, delimiter="\t"))
+    rows = [line.split() for line in lines[1:-1]]  # the last line names the PNG
+    body = {int(r[0]): r[1:] for r in rows if len(r) == len(header)}
+    assert sorted(body) == [1, 2, 3, 4]  # the runs' 3 epochs and the reference's 4
+    assert body[4][-1] == "80.00" and body[2][-1] == "62.50"
+    # epoch 2 of each run: its logged test accuracy, as a percentage (epoch 1 was not evaluated: nan)
+    run_acc = [float(r["test_acc"]) for r in table if int(r["epoch"]) == 2]
+    assert [float(v) for v in body[2][:-1]] == pytest.approx([100 * a for a in run_acc], abs=0.006)
+    assert body[1][0] == "nan"
+
+
+@pytest.mark.parametrize("content, message", [
+    ("epoch\ttest_acc\n1\t0.5\n2\t55.0\n", "fractions in [0, 1]"),
+    ("epoch\ttest_acc\n2\t0.5\n1\t0.6\n", "epochs must increase"),
+    ("epoch\thours\n1\t0.5\n", "not a reference curve"),
+])
+def test_bad_reference_exits_2_with_one_line(logged, tmp_path, capsys, content, message):
+    ref = tmp_path / "ref.tsv"
+    ref.write_text(content)
+    assert plot_runs.main([logged[0], "--reference", str(ref), "--out", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and not (tmp_path / "x.png").exists()
+
+
+def test_reference_needs_the_epoch_axis(logged, tmp_path, capsys):
+    ref = write_reference(tmp_path / "published.tsv", [(1, 0.5)])
+    assert plot_runs.main([logged[0], "--reference", ref, "--x", "time", "--out", str(tmp_path / "x.png")]) == 2
+    assert "--x epoch" in capsys.readouterr().err
+
+
+def test_published_reference_curves_load():
+    """The committed curves parse and reach what their runs are known for (94.08% at epochs 31 and 24)."""
+    for name, epoch in (("dawnbench-resnet18-bkj-v100", 31), ("myrtle-resnet9-v100", 24)):
+        label, epochs, acc = plot_runs.load_reference(os.path.join(REPO, "logs", "reference", f"{name}.tsv"))
+        first = next(e for e, a in zip(epochs, acc) if a >= 0.94)
+        assert label == name and first == epoch and acc[epochs.index(epoch)] == pytest.approx(0.9408)
