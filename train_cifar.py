@@ -44,6 +44,9 @@ COMMON = dict(
     # device: the on-device batched pipeline; loader: PNG-encoded images decoded per sample in DataLoader workers.
     pipeline="device", loader_workers=1,
     stop_at_target=False,  # end the run at the first evaluation that reaches the target (for studies)
+    # End each run after this many epochs of its schedule (0: all), the LR following the full schedule; with
+    # --checkpoint such a run continues later under a larger value (for runs longer than a session).
+    stop_after_epochs=0,
     eval_every_steps=0,    # also evaluate every this many steps (0: per epoch only); results in runs[i]["evals"]
     holdout=0,             # evaluate on this many held-out training images instead of the test set
     block_depth=2,         # fastnet: convs per block (3: the last two wrapped in a residual)
@@ -170,6 +173,7 @@ def check_config(cfg):
     need(cfg["tta"] in (0, 1, 2), "tta must be 0 (none), 1 (mirror) or 2 (mirror + translate)")
     need(cfg["precision"] in ("auto", "fp32", "bf16", "fp16"), "precision must be auto, fp32, bf16 or fp16")
     need(cfg["eval_every"] >= 0, "eval-every must be >= 0 (0: only at the end)")
+    need(cfg["stop_after_epochs"] >= 0, "stop-after-epochs must be >= 0 (0: the whole schedule)")
     need(cfg["optimizer"] in ("sgd", "lars", "muon"), "optimizer must be sgd, lars or muon")
     need(cfg["muon_lr_scale"] > 0 and 0 <= cfg["muon_momentum"] < 1, "need muon-lr-scale > 0, muon-momentum in [0, 1)")
     need(cfg["lr_scaling"] in parallel.SCALING_RULES, f"lr-scaling must be one of {', '.join(parallel.SCALING_RULES)}")
@@ -482,6 +486,7 @@ def checkpoint_mismatch(state, cfg, seed, precision):
         cfg, saved = dict(cfg, precision=None), dict(state["cfg"], precision=None)
     else:
         saved = state["cfg"]
+    cfg, saved = dict(cfg, stop_after_epochs=0), dict(saved, stop_after_epochs=0)  # where to stop is not the run
     differ = sorted(k for k in set(cfg) | set(saved) if cfg.get(k) != saved.get(k))
     if differ:
         return (f"belongs to another configuration (differs in {', '.join(differ)}); "
@@ -512,7 +517,7 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
                    started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     result = dict(seed=seed, accuracy=None, epoch_reached_target=None, time_to_target_s=None,
                   fresh_to_target=None, step_reached_target=None, total_time_s=None, train_flops=None,
-                  diverged=False, epochs=rows, evals=[], segments=[segment])
+                  diverged=False, stopped_after_epoch=None, epochs=rows, evals=[], segments=[segment])
 
     timer = core.Timer(sync)
     model = build_model(cfg, device, data["train_x"], gen)  # the whitening is fitted to data: timed
@@ -562,6 +567,13 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
         step, start_epoch = state["step"], state["epoch"] + 1
         rows.extend(state["result"]["epochs"])
         result.update({k: v for k, v in state["result"].items() if k != "epochs"})
+        stop_at = cfg["stop_after_epochs"]
+        if result.get("stopped_after_epoch") and (not stop_at or stop_at > state["epoch"]):
+            result.update(accuracy=None, total_time_s=None, stopped_after_epoch=None)  # it goes on from here
+            result.pop("steps_trained", None)
+        elif result["accuracy"] is None and stop_at and stop_at <= state["epoch"]:
+            raise ValueError(f"checkpoint {checkpoint} is already past epoch {stop_at} (it holds {state['epoch']}); "
+                             "pass a larger --stop-after-epochs or 0")
         if "segments" not in state["result"]:  # saved before segments were recorded: that part's origin is unknown
             result["segments"] = [dict(first_epoch=1, hardware=None, commit=None, torch=None, started=None)]
         if result["accuracy"] is None:
@@ -618,8 +630,9 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
             torch.distributed.all_reduce(totals)
         train_loss, train_acc = (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()  # one sync per epoch
         timer()
-        epoch_time = timer.total - epoch_start
-        last = step >= total_steps or stop
+        epoch_time, trained = timer.total - epoch_start, timer.total
+        truncated = step < total_steps and not stop and 0 < cfg["stop_after_epochs"] <= epoch
+        last = step >= total_steps or stop or truncated
         if not math.isfinite(train_loss):
             result.update(diverged=True, total_time_s=timer.total)
             rows.append(dict(run=run_index, epoch=epoch, lr=lr, train_loss=train_loss, train_acc=train_acc,
@@ -649,6 +662,8 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
                 last = True
         if last:
             result.update(accuracy=test_acc, total_time_s=timer.total)
+        if truncated:
+            result.update(stopped_after_epoch=epoch, steps_trained=step)
         if checkpoint:
             tmp = checkpoint + ".tmp"
             torch.save(dict(cfg=cfg, seed=seed, precision=precision, model=model.state_dict(), opt=opt.state_dict(),
@@ -656,7 +671,8 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
                             ema=ema.avg if ema is not None else None,
                             proxy=proxy.state_dict() if proxy is not None else None,
                             gen=gen.get_state(), stream=stream.state_dict(), step=step, epoch=epoch,
-                            timer_total=timer.total, result=result), tmp)
+                            # a run stopped early goes on later without its final evaluation's time
+                            timer_total=trained if truncated else timer.total, result=result), tmp)
             os.replace(tmp, checkpoint)
             timer(include_in_total=False)
         if last:
@@ -796,6 +812,8 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
                                     time_to_target_s=None, total_time_s=None, train_flops=None, diverged=True))
                 raise
             res["train_flops"] = flops_per_run
+            if res.get("stopped_after_epoch"):  # only the steps it trained
+                res["train_flops"] = flops_per_run - flops_per_step * (steps - res["steps_trained"])
             results.append(res)
             if json_path:  # rewritten after every run so a crash keeps the finished ones
                 core.write_json_atomic(json_path, summarise(cfg, results, hardware, precision, flops_per_step, steps,
@@ -818,6 +836,10 @@ def print_summary(s, log=print):
     n = s["runs_finished"]
     log(f"\n{s['preset']}: accuracy {100 * s['accuracy_mean']:.2f} ± {100 * s['accuracy_std']:.2f}% over {n} run(s); "
         f"{s['runs_reaching_target']}/{n} reached {100 * s['config']['target']:.1f}%")
+    stopped = sorted({r["stopped_after_epoch"] for r in s["runs"] if r.get("stopped_after_epoch")})
+    if stopped:
+        log(f"(stopped after epoch {', '.join(map(str, stopped))} of {s['config']['epochs']:g} by "
+            "--stop-after-epochs: accuracy and time are those of a run cut short, not of the full schedule)")
     log(f"time: {s['total_time_mean_s']:.1f} ± {s['total_time_std_s']:.1f} s per run"
         + (f", to target {s['time_to_target_mean_s']:.1f} s" if s["runs_reaching_target"] else "")
         + f"; training FLOPs {s['train_flops_per_run'] / 1e15:.3f} PF per run"

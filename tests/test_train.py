@@ -129,6 +129,63 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, preset, options):
         train_cifar.run_once(other, on_device, 0, 7, dev, "fp32", checkpoint=ckpt)
 
 
+def test_stopped_run_follows_the_full_schedule_and_continues_to_the_uninterrupted_run(tmp_path):
+    """--stop-after-epochs 1 of a 3-epoch schedule trains epoch 1 exactly as the full run does (its LR included),
+    ends with a final evaluation, and a later invocation without the stop continues it from its checkpoint to
+    the full run's result."""
+    data = synthetic(400, 100)
+    cfg = train_cifar.make_config("resnet9", **dict(TINY, epochs=3))
+    dev = torch.device("cpu")
+    on_device = tb.to_device(tb.validate(data, "tiny"), dev, torch.float32, pad=cfg["pad"])
+    quiet = dict(log=lambda *a: None)
+    full = train_cifar.run_once(cfg, on_device, 0, 7, dev, "fp32", **quiet)
+    ckpt = str(tmp_path / "run.pt")
+    part = train_cifar.run_once(dict(cfg, stop_after_epochs=1), on_device, 0, 7, dev, "fp32", checkpoint=ckpt, **quiet)
+    assert part["stopped_after_epoch"] == 1 and part["steps_trained"] == 8  # 400 images at batch 50
+    assert [(r["epoch"], r["lr"], r["train_loss"]) for r in part["epochs"]] == \
+        [(r["epoch"], r["lr"], r["train_loss"]) for r in full["epochs"][:1]]
+    assert part["accuracy"] == part["epochs"][0]["test_acc"] and part["total_time_s"] > 0
+    # asking again for the same stop returns the saved result; an earlier stop than the checkpoint is an error
+    again = train_cifar.run_once(dict(cfg, stop_after_epochs=1), on_device, 0, 7, dev, "fp32", checkpoint=ckpt, **quiet)
+    assert again["accuracy"] == part["accuracy"] and len(again["epochs"]) == 1
+    two = train_cifar.run_once(dict(cfg, stop_after_epochs=2), on_device, 0, 7, dev, "fp32", checkpoint=ckpt, **quiet)
+    assert two["stopped_after_epoch"] == 2 and [r["epoch"] for r in two["epochs"]] == [1, 2]
+    mid = checkpoint_after_epoch_2(cfg, on_device, dev, str(tmp_path / "mid.pt"))  # a run not stopped
+    with pytest.raises(ValueError, match="already past epoch 1"):
+        train_cifar.run_once(dict(cfg, stop_after_epochs=1), on_device, 0, 7, dev, "fp32", checkpoint=mid, **quiet)
+    rest = train_cifar.run_once(cfg, on_device, 0, 7, dev, "fp32", checkpoint=ckpt, **quiet)
+    assert rest["stopped_after_epoch"] is None and "steps_trained" not in rest
+    assert [r["train_loss"] for r in rest["epochs"]] == [r["train_loss"] for r in full["epochs"]]
+    assert rest["accuracy"] == full["accuracy"]
+    assert [seg["first_epoch"] for seg in rest["segments"]] == [1, 2, 3]
+
+
+def checkpoint_after_epoch_2(cfg, on_device, dev, ckpt):
+    """The checkpoint of a run interrupted in epoch 3 (saved after epoch 2)."""
+    class Stop(Exception):
+        pass
+
+    def crash_in_epoch_3(row):
+        if row["epoch"] == 3:
+            raise Stop
+    with pytest.raises(Stop):
+        train_cifar.run_once(cfg, on_device, 0, 7, dev, "fp32", on_epoch=crash_in_epoch_3, checkpoint=ckpt,
+                             log=lambda *a: None)
+    return ckpt
+
+
+def test_stopped_run_logs_its_partial_flops_and_says_so(tiny_npz, tmp_path):
+    r = cli("--preset", "resnet9", "--data", tiny_npz, "--widths", "8", "16", "16", "16", "--batch-size", "50",
+            "--epochs", "3", "--precision", "fp32", "--stop-after-epochs", "2", "--log-dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "stopped after epoch 2 of 3 by --stop-after-epochs" in r.stdout
+    saved = json.load(open(next(str(p) for p in tmp_path.glob("*.json"))))
+    run = saved["runs"][0]
+    assert run["stopped_after_epoch"] == 2 and len(run["epochs"]) == 2
+    assert run["train_flops"] == saved["train_flops_per_step"] * run["steps_trained"]
+    assert run["steps_trained"] < saved["train_steps"]
+
+
 def test_checkpoint_mismatch_compares_precision_as_resolved():
     cfg = train_cifar.make_config("fast94")  # precision "auto"
     state = dict(cfg=cfg, seed=4, precision="fp32")
