@@ -516,23 +516,28 @@ def closure_loss(closure):
         return closure()
 
 
+MUON_NORMS = ("none", "initial", "sqrt_out")
+
+
 class Muon(torch.optim.Optimizer):
     """SGD with momentum, except that in groups with orthogonalize=True each weight's update (its Nesterov
     momentum, conv filters flattened to out x in*k*k) is replaced by newton_schulz(update): every direction of
     the update moves at the same rate, whatever the gradient's scale in it.
 
     Orthogonalised tensors: p <- p * (1 - lr * weight_decay) - lr * sqrt(max(1, rows / cols)) * O, where
-    the factor gives tall matrices the same update size per entry as wide ones; with fixed_norm the weight is
-    then rescaled to the Frobenius norm it had at its first step (the nets here follow every conv with batch
-    norm, so the norm does not change the function, only how far a step of size lr turns the weight).
+    the factor gives tall matrices the same update size per entry as wide ones; then `norm` rescales the weight
+    to a fixed Frobenius norm: "initial" the one it had at its first step, "sqrt_out" sqrt(rows) (airbench94's
+    Muon record), "none" leaves it. The nets here follow every conv with batch norm, so the norm does not change
+    the function, only how far a step of size lr turns the weight.
     Other tensors (BN biases, the head): exactly torch.optim.SGD (weight decay added to the gradient)."""
 
     def __init__(self, params, lr, momentum=0.9, nesterov=True, weight_decay=0.0, orthogonalize=False,
-                 ns_steps=5, fixed_norm=False):
-        if lr < 0 or not 0 <= momentum < 1 or weight_decay < 0 or ns_steps < 1:
-            raise ValueError("Muon needs lr, weight_decay >= 0, momentum in [0, 1) and ns_steps >= 1")
+                 ns_steps=5, norm="none"):
+        if lr < 0 or not 0 <= momentum < 1 or weight_decay < 0 or ns_steps < 1 or norm not in MUON_NORMS:
+            raise ValueError("Muon needs lr, weight_decay >= 0, momentum in [0, 1), ns_steps >= 1 and norm in "
+                             + ", ".join(MUON_NORMS))
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-                                      orthogonalize=orthogonalize, ns_steps=ns_steps, fixed_norm=fixed_norm))
+                                      orthogonalize=orthogonalize, ns_steps=ns_steps, norm=norm))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -555,15 +560,16 @@ class Muon(torch.optim.Optimizer):
                 if not ortho:
                     p.sub_(g, alpha=lr)
                     continue
-                if group["fixed_norm"] and "norm" not in state:
-                    state["norm"] = torch.linalg.vector_norm(p)
                 rows = p.shape[0]
+                if "norm" not in state and group["norm"] != "none":
+                    state["norm"] = (torch.linalg.vector_norm(p) if group["norm"] == "initial"
+                                     else torch.tensor(float(rows), device=p.device).sqrt())
                 cols = p.numel() // rows
                 update = newton_schulz(g.reshape(rows, cols).float(), group["ns_steps"]).view_as(p)
                 if wd:
                     p.mul_(1 - lr * wd)
                 p.sub_(update.to(p.dtype), alpha=lr * max(1.0, rows / cols) ** 0.5)
-                if group["fixed_norm"]:
+                if group["norm"] != "none":
                     p.mul_(state["norm"] / torch.linalg.vector_norm(p))
         return loss
 

@@ -37,7 +37,9 @@ COMMON = dict(
     optimizer="sgd", trust_coefficient=0.001, lr_scaling="none", reference_batch_size=0, warmup_epochs=0.0,
     # --optimizer muon: conv filters take orthogonalised updates (torch_backend.Muon) at muon_lr_scale times the
     # schedule's LR, with their own momentum; the rest stays SGD. fast94 sets its own (see there).
-    muon_lr_scale=0.16, muon_momentum=0.6, muon_fixed_norm=True,
+    # muon_norm: the Frobenius norm each filter is held at (initial: its own at the first step; sqrt_out:
+    # sqrt(out channels) as airbench94's Muon record; none); muon_ns_steps: Newton-Schulz steps (the record: 3).
+    muon_lr_scale=0.16, muon_momentum=0.6, muon_norm="initial", muon_ns_steps=5,
     bn_group_size=0, sync_bn_group_size=0, allreduce="flat", allreduce_group_size=0,
     # Data echoing (pipeline.py): repeat upstream outputs echo_factor times on average.
     echo="none", echo_factor=1.0, echo_shuffle_buffer=0,
@@ -94,7 +96,7 @@ PRESETS = {
     "fast94": dict(
         net="fastnet", widths=(64, 256, 256), epochs=8, batch_size=2000,
         lr_knots=(0, 8), lr_values=(1.6, 0.0), momentum=0.85, weight_decay=2.5e-3,
-        optimizer="muon", muon_lr_scale=0.15, muon_momentum=0.6, muon_fixed_norm=True,
+        optimizer="muon", muon_lr_scale=0.15, muon_momentum=0.6, muon_norm="initial", muon_ns_steps=5,
         bias_lr_scale=64.0, label_smoothing=0.2, flip="alternate", pad=2, cutout=0, tta=2,
         whiten_bias_epochs=3, lookahead_start_epoch=-1),
     # The same net with SGD throughout, in the form of airbench94 (94.01%, n=1000, 0.36 PF on an A100): 9.9
@@ -176,6 +178,8 @@ def check_config(cfg):
     need(cfg["stop_after_epochs"] >= 0, "stop-after-epochs must be >= 0 (0: the whole schedule)")
     need(cfg["optimizer"] in ("sgd", "lars", "muon"), "optimizer must be sgd, lars or muon")
     need(cfg["muon_lr_scale"] > 0 and 0 <= cfg["muon_momentum"] < 1, "need muon-lr-scale > 0, muon-momentum in [0, 1)")
+    need(cfg["muon_norm"] in tb.MUON_NORMS and cfg["muon_ns_steps"] >= 1,
+         f"muon-norm must be one of {', '.join(tb.MUON_NORMS)} and muon-ns-steps >= 1")
     need(cfg["lr_scaling"] in parallel.SCALING_RULES, f"lr-scaling must be one of {', '.join(parallel.SCALING_RULES)}")
     need(cfg["reference_batch_size"] > 0 and cfg["warmup_epochs"] >= 0, "need reference-batch-size > 0, warmup-epochs >= 0")
     need(cfg["bn_group_size"] >= 0 and cfg["sync_bn_group_size"] >= 0 and cfg["allreduce_group_size"] >= 0,
@@ -250,7 +254,8 @@ def make_optimizer(cfg, model):
         filters = [p for p in slow if p.ndim == 4]
         rest = [p for p in slow if p.ndim != 4]
         groups = [dict(params=filters, lr_scale=cfg["muon_lr_scale"], momentum=cfg["muon_momentum"],
-                       orthogonalize=True, fixed_norm=cfg["muon_fixed_norm"], weight_decay=cfg["weight_decay"]),
+                       orthogonalize=True, norm=cfg["muon_norm"], ns_steps=cfg["muon_ns_steps"],
+                       weight_decay=cfg["weight_decay"]),
                   dict(params=rest, lr_scale=1.0, weight_decay=cfg["weight_decay"]),
                   dict(params=fast, lr_scale=s, weight_decay=cfg["weight_decay"] / s)]
         return tb.Muon([g for g in groups if g["params"]], lr=0.0, momentum=cfg["momentum"], nesterov=nesterov)

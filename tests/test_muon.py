@@ -39,32 +39,36 @@ def test_newton_schulz_pushes_singular_values_towards_one():
     assert s.min() < 0.2 and s.max() < 1.25, s
 
 
-def muon_reference(w0, grads, lr, momentum, nesterov, weight_decay, fixed_norm):
+def muon_reference(w0, grads, lr, momentum, nesterov, weight_decay, norm, ns_steps):
     """float64 Muon on one conv weight over a sequence of gradients."""
-    w, buf, norm = w0.astype(np.float64).copy(), None, np.linalg.norm(w0)
+    w, buf = w0.astype(np.float64).copy(), None
     rows, cols = w.shape[0], w.size // w.shape[0]
+    target = {"initial": np.linalg.norm(w0), "sqrt_out": np.sqrt(rows), "none": None}[norm]
     for g in grads:
         buf = g.copy() if buf is None else momentum * buf + g
         u = g + momentum * buf if nesterov else buf
-        o = newton_schulz_reference(u.reshape(rows, cols)).reshape(w.shape)
+        o = newton_schulz_reference(u.reshape(rows, cols), ns_steps).reshape(w.shape)
         w = w * (1 - lr * weight_decay) - lr * max(1.0, rows / cols) ** 0.5 * o
-        if fixed_norm:
-            w = w * norm / np.linalg.norm(w)
+        if target is not None:
+            w = w * target / np.linalg.norm(w)
     return w
 
 
-@pytest.mark.parametrize("nesterov,fixed_norm,shape", [(True, True, (8, 4, 3, 3)), (False, False, (64, 4, 1, 1))])
-def test_muon_step_matches_the_float64_reference(nesterov, fixed_norm, shape):
+@pytest.mark.parametrize("nesterov,norm,ns_steps,shape", [
+    (True, "initial", 5, (8, 4, 3, 3)), (False, "none", 5, (64, 4, 1, 1)),
+    (True, "sqrt_out", 3, (16, 4, 3, 3)),  # airbench94's Muon record: 3 steps, filters held at sqrt(out)
+])
+def test_muon_step_matches_the_float64_reference(nesterov, norm, ns_steps, shape):
     gen = torch.Generator().manual_seed(1)
     w = torch.nn.Parameter(torch.randn(*shape, generator=gen))
     w0 = w.detach().numpy().copy()
     grads = [torch.randn(*shape, generator=gen) for _ in range(4)]
-    opt = tb.Muon([dict(params=[w], orthogonalize=True, fixed_norm=fixed_norm)], lr=0.05, momentum=0.6,
+    opt = tb.Muon([dict(params=[w], orthogonalize=True, norm=norm, ns_steps=ns_steps)], lr=0.05, momentum=0.6,
                   nesterov=nesterov, weight_decay=0.1)
     for g in grads:
         w.grad = g.clone()
         opt.step()
-    expected = muon_reference(w0, [g.numpy() for g in grads], 0.05, 0.6, nesterov, 0.1, fixed_norm)
+    expected = muon_reference(w0, [g.numpy() for g in grads], 0.05, 0.6, nesterov, 0.1, norm, ns_steps)
     np.testing.assert_allclose(w.detach().numpy(), expected, atol=2e-5)
 
 
@@ -100,6 +104,7 @@ def test_train_with_muon_orthogonalises_the_filters_and_counts_their_flops():
     filters = [m.weight for m in model.modules() if isinstance(m, torch.nn.Conv2d) and m.weight.requires_grad]
     assert len(ortho) == 1 and len(ortho[0]["params"]) == len(filters) == 6
     assert ortho[0]["momentum"] == cfg["muon_momentum"] and ortho[0]["lr_scale"] == cfg["muon_lr_scale"]
+    assert (ortho[0]["norm"], ortho[0]["ns_steps"]) == (cfg["muon_norm"], cfg["muon_ns_steps"])
     assert not any(p is model.whiten.weight for g in opt.param_groups for p in g["params"])  # frozen
     common = dict(data=synthetic(400, 100), widths=(8, 16, 16), epochs=2, batch_size=100, log=lambda *a: None)
     sgd = train_cifar.train("fast94", optimizer="sgd", **common)
@@ -113,3 +118,7 @@ def test_muon_options_are_checked():
         train_cifar.make_config("fast94", optimizer="muon", muon_momentum=1.0)
     with pytest.raises(ValueError, match="optimizer must be"):
         train_cifar.make_config("fast94", optimizer="adam")
+    with pytest.raises(ValueError, match="muon-norm must be one of none, initial, sqrt_out"):
+        train_cifar.make_config("fast94", muon_norm="unit")
+    with pytest.raises(ValueError, match="muon-ns-steps >= 1"):
+        train_cifar.make_config("fast94", muon_ns_steps=0)
