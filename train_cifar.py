@@ -65,13 +65,14 @@ PRESETS = {
         lr_knots=(0, 5, 24), lr_values=(0, 0.4, 0), momentum=0.9, weight_decay=5e-4, pad=4, cutout=8),
     # Myrtle's "bag of tricks" ResNet-9 (post 8): 94.1% in 10 epochs with TTA, 26 s on one V100. Net: frozen
     # 3x3 patch whitening, pooling before BN, CELU(0.3), BN scales frozen at 1 (BN biases at 64x the LR and
-    # 1/64 the decay); ghost BN over 32 images; label smoothing 0.2; an EMA of the weights (0.99 a step, updated
-    # every 5) is what gets evaluated, with mirror TTA. Their summed-loss LR 2e-3 and decay 0.256 at batch 512
-    # are lr 1.024 and weight decay 5e-4 here; the LR peaks at epoch 2, falls to a tenth by epoch 8 and stays
-    # there while the EMA settles. Crop and flip, no cutout. Unmeasured here so far (no GPU or bf16 CPU yet).
+    # 1/64 the decay), logits x 1/16; ghost BN over 32 images; label smoothing 0.2; an EMA of the weights (0.99 a
+    # step, updated every 5) is what gets evaluated, with mirror TTA. Their summed-loss LR 1.0/512 and decay
+    # 5e-4*512 at batch 512 are lr 1.0 and weight decay 5e-4 here; the LR peaks at epoch 2 (epochs/5), falls to
+    # a tenth by epoch 8 and stays there while the EMA settles. Crop and flip, no cutout (bag_of_tricks.ipynb,
+    # its last 10-epoch cell). Unmeasured here so far.
     "resnet9-tricks": dict(
         net="resnet9_tricks", widths=(64, 128, 256, 512), epochs=10, batch_size=512,
-        lr_knots=(0, 2, 8, 10), lr_values=(0, 1.024, 0.1024, 0.1024), momentum=0.9, weight_decay=5e-4,
+        lr_knots=(0, 2, 8, 10), lr_values=(0, 1.0, 0.1, 0.1), momentum=0.9, weight_decay=5e-4,
         bias_lr_scale=64.0, pad=4, cutout=0, label_smoothing=0.2, bn_group_size=32, ema_every=5, ema_decay=0.99,
         tta=1),
     # The DAWNBench single-GPU baseline (bkj/basenet, April 2018), analysed in Myrtle's post 1: an 18-layer
