@@ -55,13 +55,8 @@ def measure(preset, device, steps, repeats, compile=False, overrides=None):
     flops_step, run_steps, flops_run = train_cifar.run_flops(cfg, model, opt, device, precision, N_TRAIN)
     aug = tb.draw_augmentation(N_TRAIN, pad, cfg["cutout"], cfg["flip"] != "none", gen, device)
     sync = tb.synchronizer(device)
-    proxy = None
-    if cfg["select_fraction"] < 1:  # untrained: scoring costs the same
-        pcfg = train_cifar.proxy_config(cfg)
-        proxy = train_cifar.build_model(pcfg, device)
-        proxy_opt = train_cifar.make_optimizer(pcfg, proxy)
-        proxy_steps = train_cifar.run_steps(pcfg, N_TRAIN)
-        proxy.eval()  # scoring first; its own training steps are timed after
+    proxy = train_cifar.Proxy(cfg, None, None, device, precision) if cfg["select_fraction"] < 1 else None
+    proxy_calls = [0]  # over warm-up and repeats, so a proxy_every-th of the timed steps train it
 
     def batch(i, size):
         start = (i * size) % (N_TRAIN - size)
@@ -71,19 +66,13 @@ def measure(preset, device, steps, repeats, compile=False, overrides=None):
 
     def step(i):
         x, y = batch(i, drawn)
-        if proxy is not None:
-            x, y = train_cifar.select_hardest(proxy, x, y, bs, precision, device)
+        if proxy is not None:  # scoring, and the proxy's own training step every proxy_every steps, as in a run
+            proxy_calls[0] += 1
+            x, y = proxy.select(x, y, bs, 1e-3, train=proxy_calls[0] % cfg["proxy_every"] == 0)
         train_cifar.train_step(cfg, step_fn, opt, x, y, precision, device)
 
     per_step = time_steps(step, sync, steps, repeats, warm_up=3 if compile else 2)
     est_time, est_std = run_steps * per_step[0], run_steps * per_step[1]
-    if proxy is not None:
-        proxy.train()
-
-        def proxy_step(i):
-            train_cifar.train_step(pcfg, proxy, proxy_opt, *batch(i, pcfg["batch_size"]), precision, device)
-        per_proxy_step = time_steps(proxy_step, sync, steps, repeats, warm_up=2)
-        est_time, est_std = est_time + proxy_steps * per_proxy_step[0], est_std + proxy_steps * per_proxy_step[1]
     return dict(preset=preset, overrides=overrides or {}, compile=compile, precision=precision, batch_size=bs,
                 candidates_per_step=drawn, flops_per_step=flops_step, train_flops_per_run=flops_run,
                 img_per_s=(bs / per_step[0], bs * per_step[1] / per_step[0] ** 2),
