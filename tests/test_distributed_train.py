@@ -121,7 +121,7 @@ def test_two_processes_follow_the_whitening_bias_freeze(tiny_npz, tmp_path):
 def test_data_selection_runs_under_torchrun(tiny_npz, tmp_path):
     """Each process scores its own slice of the candidates and keeps its share of the batch: the global batch
     stays batch_size, and an epoch is a pass over the candidates."""
-    small = ["--preset", "fast96", "--widths", "8", "8", "8", "--proxy-widths", "4", "4", "4", "--proxy-epochs", "1",
+    small = ["--preset", "fast96", "--widths", "8", "8", "8", "--proxy-widths", "4", "4", "4", "--proxy-every", "2",
              "--batch-size", "40", "--epochs", "1", "--lr-values", "0.05", "0.25", "0.02", "--precision", "fp32",
              "--device", "cpu"]
     odd = torchrun(2, "--data", tiny_npz, "--log-dir", "", *small, "--select-fraction", "0.66")
