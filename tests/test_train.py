@@ -186,6 +186,24 @@ def test_stopped_run_logs_its_partial_flops_and_says_so(tiny_npz, tmp_path):
     assert run["steps_trained"] < saved["train_steps"]
 
 
+@pytest.mark.parametrize("n_train, same", [(250, True), (200, False)])
+def test_lookahead_sync_at_the_end_differs_from_each_epoch_only_when_an_epoch_ends_between_updates(n_train, same):
+    """Lookahead updates every 5 steps and leaves the net on its average. With 5 steps an epoch (250 images at
+    batch 50) an epoch ends right after an update, so copying the average back then changes nothing and both
+    modes train identically; with 4 steps an epoch (200 images) the per-epoch copy drops steps and they differ."""
+    data = synthetic(n_train, 50)
+    base = train_cifar.make_config("fast95", widths=(8, 16, 16), batch_size=50, epochs=3, precision="fp32",
+                                   lookahead_start_epoch=0)
+    dev = torch.device("cpu")
+    on_device = tb.to_device(tb.validate(data, "tiny"), dev, torch.float32, pad=base["pad"])
+    losses = {}
+    for sync in ("epoch", "end"):
+        r = train_cifar.run_once(dict(base, lookahead_sync=sync), on_device, 0, 3, dev, "fp32", log=lambda *a: None)
+        losses[sync] = [row["train_loss"] for row in r["epochs"]]
+    assert (losses["epoch"] == losses["end"]) == same
+    assert losses["epoch"][0] == losses["end"][0]  # the first epoch trains the same either way
+
+
 def test_checkpoint_mismatch_compares_precision_as_resolved():
     cfg = train_cifar.make_config("fast94")  # precision "auto"
     state = dict(cfg=cfg, seed=4, precision="fp32")
