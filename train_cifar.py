@@ -527,7 +527,9 @@ def checkpoint_mismatch(state, cfg, seed, precision):
     else:
         saved = state["cfg"]
     cfg, saved = dict(cfg, stop_after_epochs=0), dict(saved, stop_after_epochs=0)  # where to stop is not the run
-    differ = sorted(k for k in set(cfg) | set(saved) if cfg.get(k) != saved.get(k))
+    # options added or removed since the checkpoint was saved are not compared: the code's own change is what
+    # the run's segments record (commit per part)
+    differ = sorted(k for k in set(cfg) & set(saved) if cfg[k] != saved[k])
     if differ:
         return (f"belongs to another configuration (differs in {', '.join(differ)}); "
                 "remove it or pass another --checkpoint")

@@ -211,6 +211,9 @@ def test_checkpoint_mismatch_compares_precision_as_resolved():
     assert "pass --precision fp32" in train_cifar.checkpoint_mismatch(state, cfg, 4, "bf16")
     assert "holds seed 4, not 5" in train_cifar.checkpoint_mismatch(state, cfg, 5, "fp32")
     assert "differs in lr_values" in train_cifar.checkpoint_mismatch(state, dict(cfg, lr_values=(1, 0)), 4, "fp32")
+    # an option added since the checkpoint (absent there) or removed since (absent here) does not block it
+    older = dict(state, cfg=dict({k: v for k, v in cfg.items() if k != "lookahead_sync"}, removed_option=True))
+    assert train_cifar.checkpoint_mismatch(older, cfg, 4, "fp32") is None
     legacy = dict(cfg=cfg, seed=4)  # saved before the resolved precision was: the option must match as given
     assert train_cifar.checkpoint_mismatch(legacy, cfg, 4, "fp32") is None
     assert "differs in precision" in train_cifar.checkpoint_mismatch(legacy, dict(cfg, precision="fp32"), 4, "fp32")
