@@ -526,7 +526,10 @@ def checkpoint_mismatch(state, cfg, seed, precision):
         cfg, saved = dict(cfg, precision=None), dict(state["cfg"], precision=None)
     else:
         saved = state["cfg"]
-    cfg, saved = dict(cfg, stop_after_epochs=0), dict(saved, stop_after_epochs=0)  # where to stop is not the run
+    # where to stop is not the run, and compiling changes how a step runs, not what it computes (each segment
+    # records whether it was compiled)
+    unrun = dict(stop_after_epochs=0, compile=False)
+    cfg, saved = dict(cfg, **unrun), dict(saved, **unrun)
     # options added or removed since the checkpoint was saved are not compared: the code's own change is what
     # the run's segments record (commit per part)
     differ = sorted(k for k in set(cfg) & set(saved) if cfg[k] != saved[k])
@@ -556,7 +559,7 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
     # A run resumed from a checkpoint may span sessions, machines and commits: each invocation that trained part
     # of it adds a segment saying where its epochs ran (the summary's hardware and commit are the last one's).
     segment = dict(first_epoch=1, hardware=tb.device_name(device), commit=core.git_commit(), torch=torch.__version__,
-                   started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+                   compiled=bool(cfg["compile"]), started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     result = dict(seed=seed, accuracy=None, epoch_reached_target=None, time_to_target_s=None,
                   fresh_to_target=None, step_reached_target=None, total_time_s=None, train_flops=None,
                   diverged=False, stopped_after_epoch=None, epochs=rows, evals=[], segments=[segment])
@@ -613,7 +616,8 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
             raise ValueError(f"checkpoint {checkpoint} is already past epoch {stop_at} (it holds {state['epoch']}); "
                              "pass a larger --stop-after-epochs or 0")
         if "segments" not in state["result"]:  # saved before segments were recorded: that part's origin is unknown
-            result["segments"] = [dict(first_epoch=1, hardware=None, commit=None, torch=None, started=None)]
+            result["segments"] = [dict(first_epoch=1, hardware=None, commit=None, torch=None, compiled=None,
+                                        started=None)]
         if result["accuracy"] is None:
             result["segments"] = result["segments"] + [dict(segment, first_epoch=state["epoch"] + 1)]
         timer(include_in_total=False)

@@ -211,6 +211,7 @@ def test_checkpoint_mismatch_compares_precision_as_resolved():
     assert "pass --precision fp32" in train_cifar.checkpoint_mismatch(state, cfg, 4, "bf16")
     assert "holds seed 4, not 5" in train_cifar.checkpoint_mismatch(state, cfg, 5, "fp32")
     assert "differs in lr_values" in train_cifar.checkpoint_mismatch(state, dict(cfg, lr_values=(1, 0)), 4, "fp32")
+    assert train_cifar.checkpoint_mismatch(state, dict(cfg, compile=True), 4, "fp32") is None  # how, not what
     # an option added since the checkpoint (absent there) or removed since (absent here) does not block it
     older = dict(state, cfg=dict({k: v for k, v in cfg.items() if k != "lookahead_sync"}, removed_option=True))
     assert train_cifar.checkpoint_mismatch(older, cfg, 4, "fp32") is None
