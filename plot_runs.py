@@ -104,9 +104,9 @@ def plot(summaries, out, x="epoch", references=()):
     for t in targets:
         ax.axhline(100 * t, color="k", ls="--", lw=1)
     xlabel = "epoch" if x == "epoch" else "training time (s, the run's timer)"
-    ax.set(xlabel=xlabel, ylabel="test accuracy (%)", title="test accuracy (last point: final, with TTA)")
+    ax.set(xlabel=xlabel, ylabel="test accuracy (%)", title="test accuracy (last point: final, with TTA if the recipe has it)")
     ax.set_ylim(max(0.0, math.floor(min(lowest, *(100 * t for t in targets)) - 1)), 100)
-    ax2.set(xlabel=xlabel, ylabel="training loss", title="training loss (label smoothing included)")
+    ax2.set(xlabel=xlabel, ylabel="training loss", title="training loss (with label smoothing if the recipe has it)")
     for a in (ax, ax2):
         a.grid(alpha=0.3)
         a.legend(fontsize=7)
