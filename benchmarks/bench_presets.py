@@ -57,6 +57,7 @@ def measure(preset, device, steps, repeats, compile=False, overrides=None):
     sync = tb.synchronizer(device)
     proxy = train_cifar.Proxy(cfg, None, None, device, precision) if cfg["select_fraction"] < 1 else None
     proxy_calls = [0]  # over warm-up and repeats, so a proxy_every-th of the timed steps train it
+    losses = []  # a fast step is worth nothing if it computes NaN (as compiled resnet18 did on a CPU)
 
     def batch(i, size):
         start = (i * size) % (N_TRAIN - size)
@@ -69,7 +70,7 @@ def measure(preset, device, steps, repeats, compile=False, overrides=None):
         if proxy is not None:  # scoring, and the proxy's own training step every proxy_every steps, as in a run
             proxy_calls[0] += 1
             x, y = proxy.select(x, y, bs, 1e-3, train=proxy_calls[0] % cfg["proxy_every"] == 0)
-        train_cifar.train_step(cfg, step_fn, opt, x, y, precision, device)
+        losses.append(train_cifar.train_step(cfg, step_fn, opt, x, y, precision, device)[1].detach())
 
     per_step = time_steps(step, sync, steps, repeats, warm_up=3 if compile else 2)
     est_time, est_std = run_steps * per_step[0], run_steps * per_step[1]
@@ -77,7 +78,7 @@ def measure(preset, device, steps, repeats, compile=False, overrides=None):
                 candidates_per_step=drawn, flops_per_step=flops_step, train_flops_per_run=flops_run,
                 img_per_s=(bs / per_step[0], bs * per_step[1] / per_step[0] ** 2),
                 tflop_per_s=(flops_run / est_time / 1e12, flops_run * est_std / est_time ** 2 / 1e12),
-                est_train_time_s=est_time)
+                est_train_time_s=est_time, losses_finite=bool(torch.stack(losses).isfinite().all()))
 
 
 def count_only(preset, overrides=None):
@@ -168,6 +169,8 @@ def main():
                    "img/s": round(r["img_per_s"][0]), "±": round(r["img_per_s"][1]),
                    "TFLOP/s": r["tflop_per_s"][0], "% peak": f"{100 * r['tflop_per_s'][0] / peak[0]:.0f}%",
                    "est_time_s": round(r["est_train_time_s"])})
+        if not r["losses_finite"]:
+            print(f"warning: {preset}'s timed steps gave a NaN or infinite loss; this timing is of a broken step")
         if a.log_dir:  # rewritten after each preset so an interrupted benchmark keeps what it measured
             os.makedirs(a.log_dir, exist_ok=True)
             path = os.path.join(a.log_dir, f"bench_presets-{info['date'][:19].replace(':', '')}.json")
