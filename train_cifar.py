@@ -103,6 +103,8 @@ PRESETS = {
     # In the form of airbench94's Muon record (94.01%, n=200, 0.29 PF on an A100); decay per step and the
     # biases' and head's LR match it in this mean-loss form. Here (fp32, AVX2 CPU): 93.97 ± 0.19% (n=5: 94.01,
     # 94.06, 94.19, 93.69, 93.90), logs/fast94-20261130-112311-24691, -134656-31566 and -163650-8436.
+    # bf16, AMX CPU: 93.99 ± 0.13% (n=5: 94.01, 93.82, 94.06, 93.90, 94.14), 801 ± 89 s a run,
+    # logs/fast94-20261201-105958-10335. Both together: 93.98 ± 0.15% (n=10).
     "fast94": dict(
         net="fastnet", widths=(64, 256, 256), epochs=8, batch_size=2000,
         lr_knots=(0, 8), lr_values=(1.6, 0.0), momentum=0.85, weight_decay=2.5e-3,
