@@ -131,7 +131,7 @@ PRESETS = {
         lr_knots=(0, 3.45, 15), lr_values=(0.261, 1.304, 0.0913), momentum=0.85, weight_decay=1.53e-3,
         bias_lr_scale=64.0, label_smoothing=0.2, flip="alternate", pad=2, cutout=0, tta=2,
         whiten_bias_epochs=3, whiten_bias_fast=False, lookahead_start_epoch=0, lookahead_sync="end", lookahead_every=5,
-        lookahead_decay=0.95, lookahead_pow=3.0),
+        lookahead_decay=0.95, lookahead_pow=3.0, target=0.95),
     # Our net for 96%, in the form of airbench96_faster (96.03%, n=100, 27.3 s on an A100, 3.1 PF): blocks
     # 128/384/512 of three convs, GELU after each residual sum, BN momentum 0.1; translate 4 and cutout 12;
     # 45 epochs of 1024 candidates a step, of which the 512 with the highest loss under a 32/64/64 proxy (trained
@@ -145,7 +145,7 @@ PRESETS = {
         select_fraction=0.5, proxy_widths=(32, 64, 64), proxy_every=4,
         lr_knots=(0, 4.5, 45), lr_values=(0.1174, 0.587, 0.0), momentum=0.85, weight_decay=2.667e-3,
         bias_lr_scale=64.0, label_smoothing=0.2, flip="alternate", pad=4, cutout=12, tta=2,
-        whiten_bias_epochs=0, whiten_bias_fast=False,
+        whiten_bias_epochs=0, whiten_bias_fast=False, target=0.96,
         lookahead_start_epoch=0, lookahead_sync="end", lookahead_every=5, lookahead_decay=0.95, lookahead_pow=3.0),
 }
 DEFAULT_PRESET = "fast94"

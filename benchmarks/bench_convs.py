@@ -1,0 +1,121 @@
+"""Where a preset's training step spends its convolution time: for every conv of the net, at the preset's batch
+size and precision, the forward, the gradient with respect to the input (dgrad) and with respect to the weights
+(wgrad), each timed alone and as achieved TFLOP/s, so a reader sees which kernel keeps a step off the machine's
+peak (on a 2-core AMX CPU in bf16: the wgrad kernels, at a fifth to a twentieth of the forward's rate).
+
+    python benchmarks/bench_convs.py [--preset fast94] [--repeats 5] [--batch-size N]
+
+Random data of each conv's shape (layouts as in a run: channels-last, the autocast dtype); mean ± std over repeats
+after a warm-up. dgrad is skipped where a run needs none (the first conv's input is the data), wgrad where the
+weights are frozen (the whitening conv). Writes logs/bench_convs-*.json."""
+import argparse
+import datetime
+import os
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import core  # noqa: E402
+import torch_backend as tb  # noqa: E402
+import train_cifar  # noqa: E402
+
+
+def conv_layers(model, device):
+    """(name, module, input shape without the batch, whether a run needs the input's gradient) of every Conv2d,
+    in forward order, found by running two images through the net."""
+    found = []
+
+    def hook(name):
+        def record(module, inputs):
+            found.append((name, module, tuple(inputs[0].shape[1:]), bool(inputs[0].requires_grad)))
+        return record
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in model.named_modules() if isinstance(m, nn.Conv2d)]
+    try:
+        model(torch.zeros(2, 3, 32, 32, device=device))
+    finally:
+        for h in handles:
+            h.remove()
+    return found
+
+
+def timed(fn, sync, repeats):
+    """Seconds per call: mean ± std over repeats, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return core.mean_std(times)
+
+
+def measure_conv(module, in_shape, need_dgrad, batch_size, dtype, device, repeats):
+    """Times and FLOPs of one conv's forward, dgrad and wgrad at batch_size (None for a part a run skips)."""
+    sync = tb.synchronizer(device)
+    x = torch.randn(batch_size, *in_shape, device=device).to(dtype).to(memory_format=torch.channels_last)
+    w = module.weight.detach().to(dtype).contiguous(memory_format=torch.channels_last)
+    args = dict(stride=module.stride, padding=module.padding, dilation=module.dilation, groups=module.groups)
+    y = F.conv2d(x, w, **args)
+    gy = torch.randn_like(y)
+    flops = 2 * y.numel() * w[0].numel()  # multiply-adds of one pass; dgrad and wgrad each cost the same
+
+    def backward(mask):
+        return lambda: torch.ops.aten.convolution_backward(
+            gy, x, w, None, list(module.stride), list(module.padding), list(module.dilation), False, [0, 0],
+            module.groups, mask)
+    parts = {"fwd": lambda: F.conv2d(x, w, **args),
+             "dgrad": backward([True, False, False]) if need_dgrad else None,
+             "wgrad": backward([False, True, False]) if module.weight.requires_grad else None}
+    return flops, {k: timed(f, sync, repeats) if f else None for k, f in parts.items()}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default=train_cifar.DEFAULT_PRESET, choices=list(train_cifar.PRESETS))
+    p.add_argument("--batch-size", type=int, default=0, help="default: the preset's")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--device", default=None)
+    p.add_argument("--log-dir", default="logs")
+    a = p.parse_args()
+    if a.repeats < 1 or a.batch_size < 0:
+        p.error("--repeats must be >= 1 and --batch-size >= 0")
+    device = torch.device(a.device) if a.device else tb.default_device()
+    cfg = train_cifar.make_config(a.preset)
+    precision = tb.resolve_precision(cfg["precision"], device)
+    batch_size = a.batch_size or cfg["batch_size"]
+    model = train_cifar.build_model(cfg, device)
+    info = dict(preset=a.preset, hardware=tb.device_name(device), torch=torch.__version__, commit=core.git_commit(),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                precision=precision, batch_size=batch_size, repeats=a.repeats, threads=torch.get_num_threads())
+    print(f"{a.preset}, batch {batch_size}, {precision}; {info['hardware']}, torch {torch.__version__}")
+    table = core.Table(["conv", "in", "out", "fwd_ms", "fwd_TF/s", "dgrad_ms", "dgrad_TF/s", "wgrad_ms",
+                        "wgrad_TF/s"], width=10)
+    results, totals = [], {"fwd": 0.0, "dgrad": 0.0, "wgrad": 0.0}
+    for name, module, in_shape, need_dgrad in conv_layers(model, device):
+        flops, t = measure_conv(module, in_shape, need_dgrad, batch_size, tb.DTYPES[precision], device, a.repeats)
+        row = {"conv": name, "in": "x".join(map(str, in_shape)), "out": module.out_channels}
+        for part, mean_std in t.items():
+            row[f"{part}_ms"] = f"{1e3 * mean_std[0]:.1f}" if mean_std else "-"
+            row[f"{part}_TF/s"] = flops / mean_std[0] / 1e12 if mean_std else "-"
+            totals[part] += mean_std[0] if mean_std else 0.0
+        table.row(row)
+        results.append(dict(conv=name, input_shape=in_shape, out_channels=module.out_channels, flops=flops,
+                            seconds={k: v for k, v in t.items()}))
+    total = sum(totals.values())
+    print("conv time per step: " + ", ".join(f"{k} {1e3 * v:.0f} ms ({100 * v / total:.0f}%)"
+                                             for k, v in totals.items()) + f"; all {1e3 * total:.0f} ms")
+    if a.log_dir:
+        os.makedirs(a.log_dir, exist_ok=True)
+        path = os.path.join(a.log_dir, f"bench_convs-{a.preset}-{info['date'][:19].replace(':', '')}.json")
+        core.write_json_atomic(path, dict(info, results=results, seconds_per_step=totals))
+        print(f"log: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""The per-conv benchmark finds every conv of a preset's net with the shapes and gradients a run has."""
+import os
+import sys
+
+import torch
+
+import train_cifar
+from conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import bench_convs  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def test_bench_convs_sees_fast94s_convs_as_a_run_does():
+    cfg = train_cifar.make_config("fast94", precision="fp32")
+    layers = bench_convs.conv_layers(train_cifar.build_model(cfg, CPU), CPU)
+    # the whitening conv on the data, then per block a conv before the pool and one after it (32 -> 31 -> 15 -> 7 -> 3)
+    w1, w2, w3 = cfg["widths"]
+    assert [(name, shape) for name, _, shape, _ in layers] == [
+        ("whiten", (3, 32, 32)), ("blocks.0", (24, 31, 31)), ("blocks.4", (w1, 15, 15)), ("blocks.7", (w1, 15, 15)),
+        ("blocks.11", (w2, 7, 7)), ("blocks.14", (w2, 7, 7)), ("blocks.18", (w3, 3, 3))]
+    assert [need_dgrad for *_, need_dgrad in layers] == [False] + [True] * 6  # the data needs no gradient
+
+    _, last, shape, need_dgrad = layers[-1]
+    flops, seconds = bench_convs.measure_conv(last, shape, need_dgrad, 3, torch.float32, CPU, 1)
+    assert flops == 2 * 3 * (3 * 3 * w3) * (9 * w3)  # 2 x outputs (batch x positions x channels) x taps
+    assert all(s is not None and s[0] > 0 for s in seconds.values())
+    _, whiten, shape, need_dgrad = layers[0]  # frozen weights, data input: only the forward is timed
+    seconds = bench_convs.measure_conv(whiten, shape, need_dgrad, 2, torch.float32, CPU, 1)[1]
+    assert seconds["fwd"] is not None and seconds["dgrad"] is None and seconds["wgrad"] is None
