@@ -1,7 +1,7 @@
 """Where a preset's training step spends its convolution time: for every conv of the net, at the preset's batch
 size and precision, the forward, the gradient with respect to the input (dgrad) and with respect to the weights
 (wgrad), each timed alone and as achieved TFLOP/s, so a reader sees which kernel keeps a step off the machine's
-peak (on a 2-core AMX CPU in bf16: the wgrad kernels, at a fifth to a twentieth of the forward's rate).
+peak (on a 2-core AMX CPU in bf16: the wgrad kernels, 1.5-9x slower than the same conv's forward).
 
     python benchmarks/bench_convs.py [--preset fast94] [--repeats 5] [--batch-size N]
 
@@ -26,7 +26,7 @@ import train_cifar  # noqa: E402
 
 def conv_layers(model, device):
     """(name, module, input shape without the batch, whether a run needs the input's gradient) of every Conv2d,
-    in forward order, found by running two images through the net."""
+    in forward order, found by running two images through the net (in eval mode, so its BN statistics stay)."""
     found = []
 
     def hook(name):
@@ -34,9 +34,11 @@ def conv_layers(model, device):
             found.append((name, module, tuple(inputs[0].shape[1:]), bool(inputs[0].requires_grad)))
         return record
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in model.named_modules() if isinstance(m, nn.Conv2d)]
+    was_training = model.training
     try:
-        model(torch.zeros(2, 3, 32, 32, device=device))
+        model.eval()(torch.zeros(2, 3, 32, 32, device=device))
     finally:
+        model.train(was_training)
         for h in handles:
             h.remove()
     return found
