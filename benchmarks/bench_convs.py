@@ -12,7 +12,6 @@ import argparse
 import datetime
 import os
 import sys
-import time
 
 import torch
 import torch.nn as nn
@@ -22,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import core  # noqa: E402
 import torch_backend as tb  # noqa: E402
 import train_cifar  # noqa: E402
+from bench_presets import time_steps  # noqa: E402
 
 
 def conv_layers(model, device):
@@ -44,19 +44,6 @@ def conv_layers(model, device):
     return found
 
 
-def timed(fn, sync, repeats):
-    """Seconds per call: mean ± std over repeats, after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t)
-    return core.mean_std(times)
-
-
 def measure_conv(module, in_shape, need_dgrad, batch_size, dtype, device, repeats):
     """Times and FLOPs of one conv's forward, dgrad and wgrad at batch_size (None for a part a run skips)."""
     sync = tb.synchronizer(device)
@@ -74,7 +61,10 @@ def measure_conv(module, in_shape, need_dgrad, batch_size, dtype, device, repeat
     parts = {"fwd": lambda: F.conv2d(x, w, **args),
              "dgrad": backward([True, False, False]) if need_dgrad else None,
              "wgrad": backward([False, True, False]) if module.weight.requires_grad else None}
-    return flops, {k: timed(f, sync, repeats) if f else None for k, f in parts.items()}
+
+    def seconds(fn):  # mean ± std over repeats of one call each, after one warm-up call
+        return time_steps(lambda _: fn(), sync, 1, repeats, warm_up=1)
+    return flops, {k: seconds(f) if f else None for k, f in parts.items()}
 
 
 def main():
