@@ -9,7 +9,6 @@ Random data of each conv's shape (layouts as in a run: channels-last, the autoca
 after a warm-up. dgrad is skipped where a run needs none (the first conv's input is the data), wgrad where the
 weights are frozen (the whitening conv). Writes logs/bench_convs-*.json."""
 import argparse
-import datetime
 import os
 import sys
 
@@ -83,7 +82,7 @@ def main():
     batch_size = a.batch_size or cfg["batch_size"]
     model = train_cifar.build_model(cfg, device)
     info = dict(preset=a.preset, hardware=tb.device_name(device), torch=torch.__version__, commit=core.git_commit(),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                date=core.utc_timestamp(),
                 precision=precision, batch_size=batch_size, repeats=a.repeats, threads=torch.get_num_threads())
     print(f"{a.preset}, batch {batch_size}, {precision}; {info['hardware']}, torch {torch.__version__}")
     table = core.Table(["conv", "in", "out", "fwd_ms", "fwd_TF/s", "dgrad_ms", "dgrad_TF/s", "wgrad_ms",
@@ -98,7 +97,7 @@ def main():
             totals[part] += mean_std[0] if mean_std else 0.0
         table.row(row)
         results.append(dict(conv=name, input_shape=in_shape, out_channels=module.out_channels, flops=flops,
-                            seconds={k: v for k, v in t.items()}))
+                            seconds=t))
     total = sum(totals.values())
     print("conv time per step: " + ", ".join(f"{k} {1e3 * v:.0f} ms ({100 * v / total:.0f}%)"
                                              for k, v in totals.items()) + f"; all {1e3 * total:.0f} ms")
