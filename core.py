@@ -1,6 +1,7 @@
 """Pieces that do not depend on PyTorch: schedules, timing, tables, statistics, logs."""
 import ast
 import contextlib
+import datetime
 import functools
 import json
 import math
@@ -143,6 +144,11 @@ def sigterm_as_interrupt():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def utc_timestamp():
+    """Now in UTC, ISO 8601 to the second (2026-12-01T14:51:25+00:00): when a log was started or written."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 @functools.lru_cache(maxsize=None)

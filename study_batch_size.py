@@ -32,7 +32,6 @@ beyond what the evaluation interval can hide; between the two lies the region of
 import argparse
 import collections
 import dataclasses
-import datetime
 import json
 import math
 import os
@@ -273,7 +272,7 @@ def run_trial(spec, data, preset, device=None, log=lambda *a: None):
     except train_cifar.Diverged as e:
         rec.update(diverged=True, error=str(e))
     rec.update(wall_s=time.perf_counter() - t,
-               finished=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+               finished=core.utc_timestamp())
     return rec
 
 
@@ -538,7 +537,7 @@ def write_summary(out, settings, records, status):
     os.replace(tmp, os.path.join(out, "summary.tsv"))
     core.write_json_atomic(os.path.join(out, "summary.json"), dict(
         settings=settings, status=status, trials=len(records), rows=rows, regimes=regimes, lr_trend=trend,
-        written=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        written=core.utc_timestamp(),
         note="best_steps: fewest steps to target over the trials at that batch size; lr_eff = lr / (1 - momentum)"))
     return rows, regimes, trend
 

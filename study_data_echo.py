@@ -28,7 +28,6 @@ outside the timer) and at every epoch end, so steps, fresh examples and time to 
 """
 import argparse
 import collections
-import datetime
 import json
 import math
 import os
@@ -205,7 +204,7 @@ def one_run(args, workload, data, device, mode, factor, seed, log):
     except train_cifar.Diverged as e:
         rec.update(diverged=True, error=str(e))
     rec.update(wall_s=time.perf_counter() - t, settings=args.settings,
-               finished=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+               finished=core.utc_timestamp())
     return rec
 
 
@@ -404,7 +403,7 @@ def main(argv=None):
     elif not args.no_r:
         r_info = measure_r(workload["preset"], overrides, data, device, batches=args.r_batches,
                            log=lambda m: print(m, flush=True))
-        r_info["measured"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        r_info["measured"] = core.utc_timestamp()
         core.write_json_atomic(r_path, r_info)
 
     def finish(status):
@@ -413,7 +412,7 @@ def main(argv=None):
         meta = dict(workload=args.workload, about=workload["about"], pipeline=args.pipeline, settings=args.settings,
                     config={k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()}, r=r_info,
                     overlapped_pipeline=overlapped(cfg), runs=len(records_now), status=status,
-                    written=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    written=core.utc_timestamp(),
                     note="means over runs that reached the target; speed-ups are baseline mean / mean")
         write_summary(args.out, rows, meta)
         png = plot(args.out, rows, f"{args.workload}, {args.pipeline} pipeline, target {cfg['target']:g}")

@@ -565,7 +565,7 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
     # A run resumed from a checkpoint may span sessions, machines and commits: each invocation that trained part
     # of it adds a segment saying where its epochs ran (the summary's hardware and commit are the last one's).
     segment = dict(first_epoch=1, hardware=tb.device_name(device), commit=core.git_commit(), torch=torch.__version__,
-                   compiled=bool(cfg["compile"]), started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+                   compiled=bool(cfg["compile"]), started=core.utc_timestamp())
     result = dict(seed=seed, accuracy=None, epoch_reached_target=None, time_to_target_s=None,
                   fresh_to_target=None, step_reached_target=None, total_time_s=None, train_flops=None,
                   diverged=False, stopped_after_epoch=None, epochs=rows, evals=[], segments=[segment])
@@ -774,7 +774,7 @@ def summarise(cfg, results, hardware, precision, flops_per_step, steps, flops_pe
         preset=cfg["preset"], config={k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()},
         world_size=torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
         precision=precision, hardware=hardware, torch=torch.__version__, commit=commit,
-        started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        started=core.utc_timestamp(),
         train_flops_per_step=flops_per_step, train_steps=steps, train_flops_per_run=flops_per_run, runs=results,
         accuracy_mean=acc_mean, accuracy_std=acc_std, runs_reaching_target=len(reached), runs_finished=len(done),
         total_time_mean_s=time_mean, total_time_std_s=time_std,

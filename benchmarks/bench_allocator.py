@@ -10,7 +10,6 @@ that. The allocator is chosen at process start (LD_PRELOAD), so each one runs in
 Appends one JSON line per allocator and preset to logs/bench_allocator.jsonl.
 """
 import argparse
-import datetime
 import glob
 import json
 import os
@@ -52,7 +51,7 @@ def main():
     if missing:
         p.error(f"allocator(s) not found on this machine: {', '.join(missing)} (found: {', '.join(found)}); "
                 "e.g. apt-get install libjemalloc2 libtcmalloc-minimal4")
-    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    date = core.utc_timestamp()
     table = core.Table(["allocator", "preset", "img/s", "±", "speed-up"], width=13)
     base = {}
     for name in names:

@@ -60,7 +60,7 @@ def main():
     fast = rate(batched(a.batches), a.batches * a.batch, a.repeats, sync)
     slow = rate(loop, a.batch, a.repeats, sync)
     result = dict(hardware=tb.device_name(device), torch=torch.__version__, commit=core.git_commit(),
-                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  date=core.utc_timestamp(),
                   batch=a.batch, repeats=a.repeats, batched_img_per_s=fast, per_sample_img_per_s=slow,
                   speedup=fast[0] / slow[0])
     print(f"{result['hardware']}, torch {torch.__version__}, batch {a.batch}, crop pad 4 + flip + cutout 8")

@@ -9,7 +9,6 @@ Each process trains on global_batch / N images a step, so images/s compare direc
 OMP_NUM_THREADS=1 per process unless it is set; the threads each process used are logged. Rank 0 appends its
 result to logs/bench_ddp.jsonl (one line per invocation: world size, threads, hardware, torch, commit)."""
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -80,7 +79,7 @@ def main():
         rec = dict(preset=a.preset, overrides=a.set, world_size=world, threads_per_process=torch.get_num_threads(),
                    batch_size=bs, precision=precision, steps=a.steps, repeats=a.repeats, img_per_s=[mean, std],
                    rates=rates, hardware=tb.device_name(device), torch=torch.__version__, commit=core.git_commit(),
-                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+                   date=core.utc_timestamp())
         print(f"{a.preset}: {world} process(es) x {torch.get_num_threads()} thread(s), global batch {bs}, "
               f"{precision}: {mean:,.0f} ± {std:,.0f} img/s on {rec['hardware']}")
         if a.out:

@@ -8,7 +8,6 @@ Times full training steps (augmentation, forward, backward, update; with data se
 candidates, and the proxy's own training steps) on random data of CIFAR-10's shape after a warm-up, so it needs
 no data set; mean ± std over repeats. img/s counts the images trained on. Writes logs/bench_presets-*.json."""
 import argparse
-import datetime
 import os
 import sys
 import time
@@ -137,7 +136,7 @@ def main():
         p.error(str(e))
     if a.flops_only:
         info = dict(commit=core.git_commit(), torch=torch.__version__, overrides=overrides,
-                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+                    date=core.utc_timestamp())
         table = core.Table(["preset", "PF/run", "TF/step", "steps", "scoring", "proxy PF"], width=11)
         results = [count_only(preset, overrides) for preset in a.presets]
         for r in results:
@@ -153,7 +152,7 @@ def main():
         return
     device = torch.device(a.device) if a.device else tb.default_device()
     info = dict(hardware=tb.device_name(device), torch=torch.__version__, commit=core.git_commit(),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                date=core.utc_timestamp(),
                 steps=a.steps, repeats=a.repeats, compile=a.compile, overrides=overrides,
                 threads=torch.get_num_threads(), ld_preload=os.environ.get("LD_PRELOAD", ""))
     precision = tb.resolve_precision(train_cifar.make_config(a.presets[0], **overrides)["precision"], device)
