@@ -316,13 +316,105 @@ def device_name(device):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Convolutions on small maps. On the CPU, oneDNN's bf16 kernels for 3x3 convs on maps of 8x8 and smaller run
+# far below the machine's matmul rate (a weight gradient at 7x7 or 3x3: 0.06-0.18 TFLOP/s where a large matmul
+# reaches 0.7-1.5). There the same sums as one matmul over the unfolded input (im2col) are 1.5-6x faster:
+# benchmarks/bench_convs.py times both for every conv of a preset (logs/bench_convs-*).
+
+WGRAD_MATMUL_MAX_PIXELS = 64   # weight gradient by matmul on maps of at most 8x8 (at 15x15 oneDNN's is faster)
+FORWARD_MATMUL_MAX_PIXELS = 16  # forward and input gradient by matmul at most at 4x4 (oneDNN wins from 7x7)
+
+
+def unfold_nhwc(x, k):
+    """im2col of a (N, C, H, W) map for a k x k, stride-1 conv zero-padded to the same size: (N*H*W, k*k*C),
+    columns ordered (kh, kw, c), so that rows are contiguous in the channels-last layout."""
+    n, c, h, w = x.shape
+    p = k // 2
+    padded = F.pad(x.permute(0, 2, 3, 1), (0, 0, p, p, p, p))
+    cols = torch.empty(n, h, w, k, k, c, dtype=x.dtype, device=x.device)
+    for i in range(k):
+        for j in range(k):
+            cols[:, :, :, i, j, :] = padded[:, i:i + h, j:j + w, :]
+    return cols.view(n * h * w, k * k * c)
+
+
+def matmul_conv(x, weight):
+    """conv2d(x, weight, padding=k // 2) as one matmul; the result is channels-last."""
+    n, _, h, w = x.shape
+    out_c, k = weight.shape[0], weight.shape[2]
+    y = unfold_nhwc(x, k) @ weight.permute(0, 2, 3, 1).reshape(out_c, -1).t()
+    return y.view(n, h, w, out_c).permute(0, 3, 1, 2)
+
+
+class SmallMapConv(torch.autograd.Function):
+    """A bias-free k x k stride-1 'same' conv whose weight gradient is a matmul (grad_out^T @ im2col(x)) and,
+    with forward_by_matmul, whose forward and input gradient are too (the input gradient of a 'same' conv is the
+    conv of grad_out with the filters flipped and transposed). Inputs share one dtype (autocast is applied
+    by the caller); the input is unfolded again in the backward rather than kept (k*k times its size)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, forward_by_matmul):
+        ctx.save_for_backward(x, weight)
+        ctx.forward_by_matmul = forward_by_matmul
+        k = weight.shape[2]
+        return matmul_conv(x, weight) if forward_by_matmul else F.conv2d(x, weight, padding=k // 2)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        out_c, in_c, k, _ = weight.shape
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            if ctx.forward_by_matmul:
+                grad_x = matmul_conv(grad_out, weight.flip(2, 3).transpose(0, 1))
+            else:
+                grad_x = torch.ops.aten.convolution_backward(
+                    grad_out, x, weight, None, [1, 1], [k // 2, k // 2], [1, 1], False, [0, 0], 1,
+                    [True, False, False])[0]
+        if ctx.needs_input_grad[1]:
+            g = grad_out.permute(0, 2, 3, 1).reshape(-1, out_c)
+            grad_w = (g.t() @ unfold_nhwc(x, k)).view(out_c, k, k, in_c).permute(0, 3, 1, 2)
+        return grad_x, grad_w, None
+
+
+class Conv2d(nn.Conv2d):
+    """nn.Conv2d that, on the CPU in bf16, computes a 3x3-style 'same' conv on a small map by matmul
+    (SmallMapConv), where that is measured faster; everywhere else, or with matmul_small_maps False
+    (--cpu-conv onednn), exactly nn.Conv2d. Same parameters and state dict as nn.Conv2d."""
+
+    matmul_small_maps = True
+
+    def _small_map_mode(self, x):
+        """(forward_by_matmul,) when SmallMapConv applies to x, else None."""
+        k = self.kernel_size[0]
+        if not (self.matmul_small_maps and x.device.type == "cpu" and x.dim() == 4 and self.bias is None
+                and self.groups == 1 and self.stride == (1, 1) and self.dilation == (1, 1)
+                and self.kernel_size == (k, k) and k % 2 == 1 and self.padding == (k // 2, k // 2)
+                and self.padding_mode == "zeros"):
+            return None
+        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
+        pixels = x.shape[2] * x.shape[3]
+        if dtype != torch.bfloat16 or pixels > WGRAD_MATMUL_MAX_PIXELS:
+            return None
+        return (pixels <= FORWARD_MATMUL_MAX_PIXELS,)
+
+    def forward(self, x):
+        mode = self._small_map_mode(x)
+        if mode is None:
+            return super().forward(x)
+        # autocast's cast, done here so that SmallMapConv sees bf16 inputs (the weight's cast is differentiable,
+        # so its gradient arrives in the parameter's fp32)
+        return SmallMapConv.apply(x.to(torch.bfloat16), self.weight.to(torch.bfloat16), *mode)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Networks. BatchNorm runs in fp32 under autocast (PyTorch's autocast policy keeps its statistics in fp32).
 
 def conv_bn(c_in, c_out, bn_weight_frozen=False):
     bn = nn.BatchNorm2d(c_out)
     if bn_weight_frozen:
         bn.weight.requires_grad_(False)
-    return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), bn, nn.ReLU(inplace=True))
+    return nn.Sequential(Conv2d(c_in, c_out, 3, padding=1, bias=False), bn, nn.ReLU(inplace=True))
 
 
 class Residual(nn.Module):
@@ -368,10 +460,10 @@ class PreActBlock(nn.Module):
     def __init__(self, c_in, c_out, stride):
         super().__init__()
         self.bn1 = nn.BatchNorm2d(c_in)
-        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.conv1 = Conv2d(c_in, c_out, 3, stride, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(c_out)
-        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
-        self.shortcut = nn.Conv2d(c_in, c_out, 1, stride, bias=False) if stride != 1 or c_in != c_out else None
+        self.conv2 = Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.shortcut = Conv2d(c_in, c_out, 1, stride, bias=False) if stride != 1 or c_in != c_out else None
 
     def forward(self, x):
         a = F.relu(self.bn1(x))
@@ -391,7 +483,7 @@ def preact_resnet18(prep_bn_relu=False, widths=(64, 128, 256, 256)):
     conv, four stages of two blocks (the last stage 256 wide, not 512), concatenated average and max pooling,
     a linear head. The entry's prep conv is followed by BN-ReLU, which the first block's own BN-ReLU then
     duplicates (`prep_bn_relu=True`); Myrtle's post 1 drops it (the default here)."""
-    layers, c_in = [nn.Conv2d(3, widths[0], 3, 1, 1, bias=False)], widths[0]
+    layers, c_in = [Conv2d(3, widths[0], 3, 1, 1, bias=False)], widths[0]
     if prep_bn_relu:
         layers += [nn.BatchNorm2d(c_in), nn.ReLU(inplace=True)]
     for i, w in enumerate(widths):
@@ -427,13 +519,13 @@ class ResNet9Tricks(nn.Module):
         super().__init__()
         w0, w1, w2, w3 = widths
         k = 3 * whiten_patch * whiten_patch
-        self.whiten = nn.Conv2d(3, k, whiten_patch, padding=whiten_patch // 2, bias=False)
+        self.whiten = Conv2d(3, k, whiten_patch, padding=whiten_patch // 2, bias=False)
         self.whiten.weight.requires_grad_(False)
 
         def block(c_in, c_out, size=3, pool=False):
             bn = nn.BatchNorm2d(c_out)
             bn.weight.requires_grad_(False)
-            conv = nn.Conv2d(c_in, c_out, size, padding=size // 2, bias=False)
+            conv = Conv2d(c_in, c_out, size, padding=size // 2, bias=False)
             return nn.Sequential(conv, *([nn.MaxPool2d(2)] if pool else []), bn, nn.CELU(celu_alpha))
         self.body = nn.Sequential(
             block(k, w0, size=1),
@@ -462,11 +554,11 @@ class FastNet(nn.Module):
         super().__init__()
         if depth not in (2, 3):
             raise ValueError(f"FastNet blocks have depth 2 or 3, not {depth}")
-        self.whiten = nn.Conv2d(3, whiten_width, whiten_patch, bias=True)
+        self.whiten = Conv2d(3, whiten_width, whiten_patch, bias=True)
         self.whiten.weight.requires_grad_(False)
 
         def conv_bn_gelu(c_in, c_out, pool=False):
-            conv = nn.Conv2d(c_in, c_out, 3, padding=1, bias=False)
+            conv = Conv2d(c_in, c_out, 3, padding=1, bias=False)
             nn.init.dirac_(conv.weight[:c_in])
             bn = nn.BatchNorm2d(c_out, momentum=bn_momentum, eps=1e-12)
             bn.weight.requires_grad_(False)

@@ -61,6 +61,9 @@ COMMON = dict(
     # with the highest loss under a proxy, a small fastnet trained alongside (as airbench96): it scores every
     # step's candidates and takes an SGD step of its own on the chosen ones every proxy_every steps.
     select_fraction=1.0, proxy_widths=(32, 64, 64), proxy_every=4,
+    # CPU, bf16: 3x3 convs on maps of 8x8 and smaller by matmul over the unfolded input (tb.Conv2d; measured
+    # faster there), or "onednn": PyTorch's own conv kernels everywhere. No effect on GPUs.
+    cpu_conv="matmul",
 )
 
 PRESETS = {
@@ -169,6 +172,9 @@ def make_config(preset=DEFAULT_PRESET, **overrides):
     return cfg
 
 
+CPU_CONV_MODES = ("matmul", "onednn")
+
+
 def check_config(cfg):
     """Impossible options are errors here, before any data is touched."""
     def need(ok, msg):
@@ -211,6 +217,7 @@ def check_config(cfg):
     need(cfg["bn_group_size"] >= 0 and cfg["sync_bn_group_size"] >= 0 and cfg["allreduce_group_size"] >= 0,
          "group sizes must be >= 0 (0: the default)")
     need(cfg["allreduce"] in ("flat", "hierarchical"), "allreduce must be flat or hierarchical")
+    need(cfg["cpu_conv"] in CPU_CONV_MODES, f"cpu-conv must be one of {', '.join(CPU_CONV_MODES)}")
     need(cfg["echo"] in pipeline.ECHO_MODES, f"echo must be one of {', '.join(pipeline.ECHO_MODES)}")
     need(cfg["echo_factor"] >= 1 and cfg["echo_shuffle_buffer"] >= 0, "need echo-factor >= 1, echo-shuffle-buffer >= 0")
     need(cfg["eval_every_steps"] >= 0 and 0 <= cfg["holdout"] < 50000, "need eval-every-steps >= 0, 0 <= holdout < 50000")
@@ -257,6 +264,9 @@ def build_model(cfg, device, train_x_nhwc=None, generator=None):
         sample = torch.randperm(len(train_x_nhwc), generator=generator, device=train_x_nhwc.device)[:5000]
         unpadded = train_x_nhwc[sample, p:train_x_nhwc.shape[1] - p, p:train_x_nhwc.shape[2] - p]
         model.init_whitening(unpadded.permute(0, 3, 1, 2))
+    for m in model.modules():
+        if isinstance(m, tb.Conv2d):
+            m.matmul_small_maps = cfg["cpu_conv"] == "matmul"
     return model.to(device).to(memory_format=torch.channels_last)
 
 

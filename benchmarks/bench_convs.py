@@ -1,13 +1,17 @@
 """Where a preset's training step spends its convolution time: for every conv of the net, at the preset's batch
 size and precision, the forward, the gradient with respect to the input (dgrad) and with respect to the weights
 (wgrad), each timed alone and as achieved TFLOP/s, so a reader sees which kernel keeps a step off the machine's
-peak (on a 2-core AMX CPU in bf16: the wgrad kernels, 1.5-9x slower than the same conv's forward).
+peak (on a 2-core AMX CPU in bf16: the wgrad kernels, 1.5-9x slower than the same conv's forward). Each part is
+timed twice where it can be: PyTorch's own kernel (oneDNN on CPUs) and the same sums as one matmul over the
+unfolded input (tb.SmallMapConv), which is the evidence for where tb.Conv2d takes the matmul (--cpu-conv).
 
     python benchmarks/bench_convs.py [--preset fast94] [--repeats 5] [--batch-size N]
 
 Random data of each conv's shape (layouts as in a run: channels-last, the autocast dtype); mean ± std over repeats
 after a warm-up. dgrad is skipped where a run needs none (the first conv's input is the data), wgrad where the
-weights are frozen (the whitening conv). Writes logs/bench_convs-*.json."""
+weights are frozen (the whitening conv), the matmul where SmallMapConv does not apply (strided or biased convs).
+The step totals add each part's kernel as a run picks it with --cpu-conv matmul, and oneDNN's alone.
+Writes logs/bench_convs-*.json."""
 import argparse
 import os
 import sys
@@ -43,8 +47,16 @@ def conv_layers(model, device):
     return found
 
 
-def measure_conv(module, in_shape, need_dgrad, batch_size, dtype, device, repeats):
-    """Times and FLOPs of one conv's forward, dgrad and wgrad at batch_size (None for a part a run skips)."""
+def matmul_applies(module):
+    """Whether tb.SmallMapConv can compute this conv (bias-free, stride 1, 'same' zero padding, odd square k)."""
+    k = module.kernel_size[0]
+    return (module.bias is None and module.groups == 1 and module.stride == (1, 1) and module.dilation == (1, 1)
+            and module.kernel_size == (k, k) and k % 2 == 1 and module.padding == (k // 2, k // 2))
+
+
+def measure_conv(module, in_shape, need_dgrad, batch_size, dtype, device, repeats, matmul=False):
+    """Times and FLOPs of one conv's forward, dgrad and wgrad at batch_size (None for a part a run skips); with
+    matmul, those of tb.SmallMapConv's matmuls (None where it does not apply)."""
     sync = tb.synchronizer(device)
     x = torch.randn(batch_size, *in_shape, device=device).to(dtype).to(memory_format=torch.channels_last)
     w = module.weight.detach().to(dtype).contiguous(memory_format=torch.channels_last)
@@ -60,6 +72,13 @@ def measure_conv(module, in_shape, need_dgrad, batch_size, dtype, device, repeat
     parts = {"fwd": lambda: F.conv2d(x, w, **args),
              "dgrad": backward([True, False, False]) if need_dgrad else None,
              "wgrad": backward([False, True, False]) if module.weight.requires_grad else None}
+    if matmul:
+        k, out_c = w.shape[2], w.shape[0]
+        g = gy.permute(0, 2, 3, 1).reshape(-1, out_c)
+        ok = matmul_applies(module)
+        parts = {"fwd": (lambda: tb.matmul_conv(x, w)) if ok else None,
+                 "dgrad": (lambda: tb.matmul_conv(gy, w.flip(2, 3).transpose(0, 1))) if ok and need_dgrad else None,
+                 "wgrad": (lambda: g.t() @ tb.unfold_nhwc(x, k)) if ok and module.weight.requires_grad else None}
 
     def seconds(fn):  # mean ± std over repeats of one call each, after one warm-up call
         return time_steps(lambda _: fn(), sync, 1, repeats, warm_up=1)
@@ -85,26 +104,43 @@ def main():
                 date=core.utc_timestamp(),
                 precision=precision, batch_size=batch_size, repeats=a.repeats, threads=torch.get_num_threads())
     print(f"{a.preset}, batch {batch_size}, {precision}; {info['hardware']}, torch {torch.__version__}")
-    table = core.Table(["conv", "in", "out", "fwd_ms", "fwd_TF/s", "dgrad_ms", "dgrad_TF/s", "wgrad_ms",
-                        "wgrad_TF/s"], width=10)
-    results, totals = [], {"fwd": 0.0, "dgrad": 0.0, "wgrad": 0.0}
+    parts = ("fwd", "dgrad", "wgrad")
+    table = core.Table(["conv", "in", "out"] + [f"{p}_{c}" for p in parts for c in ("ms", "TF/s", "mm_ms")],
+                       width=10)
+    results = []
+    totals = {"onednn": dict.fromkeys(parts, 0.0), "as_run": dict.fromkeys(parts, 0.0)}
     for name, module, in_shape, need_dgrad in conv_layers(model, device):
         flops, t = measure_conv(module, in_shape, need_dgrad, batch_size, tb.DTYPES[precision], device, a.repeats)
+        t_mm = measure_conv(module, in_shape, need_dgrad, batch_size, tb.DTYPES[precision], device, a.repeats,
+                            matmul=True)[1]
+        pixels = in_shape[1] * in_shape[2]
+        # what a run with --cpu-conv matmul computes each part with (tb.Conv2d's thresholds; bf16 on CPUs only)
+        takes_mm = dict(fwd=pixels <= tb.FORWARD_MATMUL_MAX_PIXELS, dgrad=pixels <= tb.FORWARD_MATMUL_MAX_PIXELS,
+                        wgrad=pixels <= tb.WGRAD_MATMUL_MAX_PIXELS)
+        takes_mm = {p: v and device.type == "cpu" and precision == "bf16" and t_mm[p] is not None
+                    for p, v in takes_mm.items()}
         row = {"conv": name, "in": "x".join(map(str, in_shape)), "out": module.out_channels}
-        for part, mean_std in t.items():
+        for part in parts:
+            mean_std, mm = t[part], t_mm[part]
             row[f"{part}_ms"] = f"{1e3 * mean_std[0]:.1f}" if mean_std else "-"
             row[f"{part}_TF/s"] = flops / mean_std[0] / 1e12 if mean_std else "-"
-            totals[part] += mean_std[0] if mean_std else 0.0
+            row[f"{part}_mm_ms"] = (f"{1e3 * mm[0]:.1f}" + ("*" if takes_mm[part] else "")) if mm else "-"
+            totals["onednn"][part] += mean_std[0] if mean_std else 0.0
+            totals["as_run"][part] += (mm if takes_mm[part] else mean_std or (0.0,))[0]
         table.row(row)
         results.append(dict(conv=name, input_shape=in_shape, out_channels=module.out_channels, flops=flops,
-                            seconds=t))
-    total = sum(totals.values())
-    print("conv time per step: " + ", ".join(f"{k} {1e3 * v:.0f} ms ({100 * v / total:.0f}%)"
-                                             for k, v in totals.items()) + f"; all {1e3 * total:.0f} ms")
+                            seconds=t, matmul_seconds=t_mm, run_takes_matmul=takes_mm))
+    print("(* the kernel a run takes with --cpu-conv matmul)")
+    for which, label in (("onednn", "oneDNN's kernels alone"), ("as_run", "as a run picks them")):
+        tot = totals[which]
+        total = sum(tot.values())
+        print(f"conv time per step, {label}: " + ", ".join(f"{k} {1e3 * v:.0f} ms ({100 * v / total:.0f}%)"
+                                                           for k, v in tot.items()) + f"; all {1e3 * total:.0f} ms")
     if a.log_dir:
         os.makedirs(a.log_dir, exist_ok=True)
         path = os.path.join(a.log_dir, f"bench_convs-{a.preset}-{info['date'][:19].replace(':', '')}.json")
-        core.write_json_atomic(path, dict(info, results=results, seconds_per_step=totals))
+        core.write_json_atomic(path, dict(info, results=results, seconds_per_step=totals["onednn"],
+                                           seconds_per_step_as_run=totals["as_run"]))
         print(f"log: {path}")
 
 

@@ -30,3 +30,15 @@ def test_bench_convs_sees_fast94s_convs_as_a_run_does():
     _, whiten, shape, need_dgrad = layers[0]  # frozen weights, data input: only the forward is timed
     seconds = bench_convs.measure_conv(whiten, shape, need_dgrad, 2, torch.float32, CPU, 1)[1]
     assert seconds["fwd"] is not None and seconds["dgrad"] is None and seconds["wgrad"] is None
+
+
+def test_bench_convs_times_the_matmul_where_small_map_conv_applies():
+    cfg = train_cifar.make_config("fast94", precision="fp32", widths=(8, 16, 16))
+    layers = bench_convs.conv_layers(train_cifar.build_model(cfg, CPU), CPU)
+    _, last, shape, need_dgrad = layers[-1]
+    seconds = bench_convs.measure_conv(last, shape, need_dgrad, 2, torch.bfloat16, CPU, 1, matmul=True)[1]
+    assert all(s is not None and s[0] > 0 for s in seconds.values())
+    _, whiten, shape, need_dgrad = layers[0]  # a biased 2x2 conv: SmallMapConv does not apply
+    assert not bench_convs.matmul_applies(whiten)
+    assert bench_convs.measure_conv(whiten, shape, need_dgrad, 2, torch.bfloat16, CPU, 1, matmul=True)[1] == dict(
+        fwd=None, dgrad=None, wgrad=None)

@@ -121,5 +121,5 @@ def test_resnet9_tricks_has_resnet9_size_frozen_bn_scales_and_pools_before_bn():
     pooled = [b for b in net.modules() if isinstance(b, torch.nn.Sequential) and len(b) == 4]
     assert len(pooled) == 3
     for b in pooled:
-        assert [type(m) for m in b] == [torch.nn.Conv2d, torch.nn.MaxPool2d, torch.nn.BatchNorm2d, torch.nn.CELU]
+        assert [type(m) for m in b] == [tb.Conv2d, torch.nn.MaxPool2d, torch.nn.BatchNorm2d, torch.nn.CELU]
     assert net(torch.randn(2, 3, 32, 32)).shape == (2, 10)
