@@ -317,9 +317,10 @@ def device_name(device):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Convolutions on small maps. On the CPU, oneDNN's bf16 kernels for 3x3 convs on maps of 8x8 and smaller run
-# far below the machine's matmul rate (a weight gradient at 7x7 or 3x3: 0.06-0.18 TFLOP/s where a large matmul
-# reaches 0.7-1.5). There the same sums as one matmul over the unfolded input (im2col) are 1.5-6x faster:
-# benchmarks/bench_convs.py times both for every conv of a preset (logs/bench_convs-*).
+# far below the machine's matmul rate (a weight gradient at 7x7 or 3x3: 0.07-0.22 TFLOP/s where a large matmul
+# reaches 0.6-1.5). There the same sums as one matmul over the unfolded input (im2col) are 1.4-6x faster
+# (benchmarks/bench_convs.py times both for every conv of a preset: logs/bench_convs-fast9[46]-2026-12-01T19*:
+# conv time per step 3.32 -> 2.61 s for fast94, 4.10 -> 2.72 s for fast96).
 
 WGRAD_MATMUL_MAX_PIXELS = 64   # weight gradient by matmul on maps of at most 8x8 (at 15x15 oneDNN's is faster)
 FORWARD_MATMUL_MAX_PIXELS = 16  # forward and input gradient by matmul at most at 4x4 (oneDNN wins from 7x7)
