@@ -385,13 +385,16 @@ class Conv2d(nn.Conv2d):
 
     matmul_small_maps = True
 
-    def _small_map_mode(self, x):
-        """(forward_by_matmul,) when SmallMapConv applies to x, else None."""
+    def matmul_applies(self):
+        """Whether SmallMapConv can compute this conv: bias-free, stride 1, odd square kernel, 'same' zero padding."""
         k = self.kernel_size[0]
-        if not (self.matmul_small_maps and x.device.type == "cpu" and x.dim() == 4 and self.bias is None
-                and self.groups == 1 and self.stride == (1, 1) and self.dilation == (1, 1)
+        return (self.bias is None and self.groups == 1 and self.stride == (1, 1) and self.dilation == (1, 1)
                 and self.kernel_size == (k, k) and k % 2 == 1 and self.padding == (k // 2, k // 2)
-                and self.padding_mode == "zeros"):
+                and self.padding_mode == "zeros")
+
+    def small_map_mode(self, x):
+        """(forward_by_matmul,) when this call on x goes through SmallMapConv, else None."""
+        if not (self.matmul_small_maps and x.device.type == "cpu" and x.dim() == 4 and self.matmul_applies()):
             return None
         dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
         pixels = x.shape[2] * x.shape[3]
@@ -400,7 +403,7 @@ class Conv2d(nn.Conv2d):
         return (pixels <= FORWARD_MATMUL_MAX_PIXELS,)
 
     def forward(self, x):
-        mode = self._small_map_mode(x)
+        mode = self.small_map_mode(x)
         if mode is None:
             return super().forward(x)
         # autocast's cast, done here so that SmallMapConv sees bf16 inputs (the weight's cast is differentiable,

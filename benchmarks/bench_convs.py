@@ -47,13 +47,6 @@ def conv_layers(model, device):
     return found
 
 
-def matmul_applies(module):
-    """Whether tb.SmallMapConv can compute this conv (bias-free, stride 1, 'same' zero padding, odd square k)."""
-    k = module.kernel_size[0]
-    return (module.bias is None and module.groups == 1 and module.stride == (1, 1) and module.dilation == (1, 1)
-            and module.kernel_size == (k, k) and k % 2 == 1 and module.padding == (k // 2, k // 2))
-
-
 def measure_conv(module, in_shape, need_dgrad, batch_size, dtype, device, repeats, matmul=False):
     """Times and FLOPs of one conv's forward, dgrad and wgrad at batch_size (None for a part a run skips); with
     matmul, those of tb.SmallMapConv's matmuls (None where it does not apply)."""
@@ -75,7 +68,7 @@ def measure_conv(module, in_shape, need_dgrad, batch_size, dtype, device, repeat
     if matmul:
         k, out_c = w.shape[2], w.shape[0]
         g = gy.permute(0, 2, 3, 1).reshape(-1, out_c)
-        ok = matmul_applies(module)
+        ok = isinstance(module, tb.Conv2d) and module.matmul_applies()
         parts = {"fwd": (lambda: tb.matmul_conv(x, w)) if ok else None,
                  "dgrad": (lambda: tb.matmul_conv(gy, w.flip(2, 3).transpose(0, 1))) if ok and need_dgrad else None,
                  "wgrad": (lambda: g.t() @ tb.unfold_nhwc(x, k)) if ok and module.weight.requires_grad else None}
@@ -113,12 +106,11 @@ def main():
         flops, t = measure_conv(module, in_shape, need_dgrad, batch_size, tb.DTYPES[precision], device, a.repeats)
         t_mm = measure_conv(module, in_shape, need_dgrad, batch_size, tb.DTYPES[precision], device, a.repeats,
                             matmul=True)[1]
-        pixels = in_shape[1] * in_shape[2]
-        # what a run with --cpu-conv matmul computes each part with (tb.Conv2d's thresholds; bf16 on CPUs only)
-        takes_mm = dict(fwd=pixels <= tb.FORWARD_MATMUL_MAX_PIXELS, dgrad=pixels <= tb.FORWARD_MATMUL_MAX_PIXELS,
-                        wgrad=pixels <= tb.WGRAD_MATMUL_MAX_PIXELS)
-        takes_mm = {p: v and device.type == "cpu" and precision == "bf16" and t_mm[p] is not None
-                    for p, v in takes_mm.items()}
+        with tb.autocast(precision, device):  # the kernels a run picks for each part (tb.Conv2d.small_map_mode)
+            mode = module.small_map_mode(torch.empty(1, *in_shape, device=device)) if isinstance(
+                module, tb.Conv2d) else None
+        takes_mm = dict(fwd=bool(mode and mode[0]), dgrad=bool(mode and mode[0]), wgrad=mode is not None)
+        takes_mm = {p: v and t_mm[p] is not None for p, v in takes_mm.items()}
         row = {"conv": name, "in": "x".join(map(str, in_shape)), "out": module.out_channels}
         for part in parts:
             mean_std, mm = t[part], t_mm[part]

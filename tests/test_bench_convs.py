@@ -39,6 +39,6 @@ def test_bench_convs_times_the_matmul_where_small_map_conv_applies():
     seconds = bench_convs.measure_conv(last, shape, need_dgrad, 2, torch.bfloat16, CPU, 1, matmul=True)[1]
     assert all(s is not None and s[0] > 0 for s in seconds.values())
     _, whiten, shape, need_dgrad = layers[0]  # a biased 2x2 conv: SmallMapConv does not apply
-    assert not bench_convs.matmul_applies(whiten)
+    assert not whiten.matmul_applies()
     assert bench_convs.measure_conv(whiten, shape, need_dgrad, 2, torch.bfloat16, CPU, 1, matmul=True)[1] == dict(
         fwd=None, dgrad=None, wgrad=None)

@@ -57,14 +57,14 @@ def test_conv2d_takes_the_matmul_only_on_small_maps_in_bf16(size, path):
     conv, _ = layer_and_copy(8, 8, matmul=True)
     x = torch.randn(2, 8, size, size)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert conv._small_map_mode(x) == path
-    assert conv._small_map_mode(x) is None  # fp32: oneDNN's kernels, as measured nowhere slower
+        assert conv.small_map_mode(x) == path
+    assert conv.small_map_mode(x) is None  # fp32: not measured faster, so PyTorch's own kernels
     conv.matmul_small_maps = False
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert conv._small_map_mode(x) is None
+        assert conv.small_map_mode(x) is None
     strided = tb.Conv2d(8, 8, 3, stride=2, padding=1, bias=False)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert strided._small_map_mode(x) is None
+        assert strided.small_map_mode(x) is None
 
 
 @pytest.mark.parametrize("size", [3, 8])
