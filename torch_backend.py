@@ -347,6 +347,18 @@ def matmul_conv(x, weight):
     return y.view(n, h, w, out_c).permute(0, 3, 1, 2)
 
 
+def matmul_conv_input_grad(grad_out, weight):
+    """The input gradient of a 'same' stride-1 conv: the conv of grad_out with the filters flipped and transposed."""
+    return matmul_conv(grad_out, weight.flip(2, 3).transpose(0, 1))
+
+
+def matmul_conv_weight_grad(grad_out, x, k):
+    """The weight gradient of a 'same' stride-1 k x k conv, grad_out^T @ im2col(x), as (out, in, k, k)."""
+    out_c, in_c = grad_out.shape[1], x.shape[1]
+    g = grad_out.permute(0, 2, 3, 1).reshape(-1, out_c)
+    return (g.t() @ unfold_nhwc(x, k)).view(out_c, k, k, in_c).permute(0, 3, 1, 2)
+
+
 class SmallMapConv(torch.autograd.Function):
     """A bias-free k x k stride-1 'same' conv whose weight gradient is a matmul (grad_out^T @ im2col(x)) and,
     with forward_by_matmul, whose forward and input gradient are too (the input gradient of a 'same' conv is the
@@ -363,18 +375,17 @@ class SmallMapConv(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        out_c, in_c, k, _ = weight.shape
+        k = weight.shape[2]
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             if ctx.forward_by_matmul:
-                grad_x = matmul_conv(grad_out, weight.flip(2, 3).transpose(0, 1))
+                grad_x = matmul_conv_input_grad(grad_out, weight)
             else:
                 grad_x = torch.ops.aten.convolution_backward(
                     grad_out, x, weight, None, [1, 1], [k // 2, k // 2], [1, 1], False, [0, 0], 1,
                     [True, False, False])[0]
         if ctx.needs_input_grad[1]:
-            g = grad_out.permute(0, 2, 3, 1).reshape(-1, out_c)
-            grad_w = (g.t() @ unfold_nhwc(x, k)).view(out_c, k, k, in_c).permute(0, 3, 1, 2)
+            grad_w = matmul_conv_weight_grad(grad_out, x, k)
         return grad_x, grad_w, None
 
 

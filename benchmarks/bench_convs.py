@@ -66,12 +66,11 @@ def measure_conv(module, in_shape, need_dgrad, batch_size, dtype, device, repeat
              "dgrad": backward([True, False, False]) if need_dgrad else None,
              "wgrad": backward([False, True, False]) if module.weight.requires_grad else None}
     if matmul:
-        k, out_c = w.shape[2], w.shape[0]
-        g = gy.permute(0, 2, 3, 1).reshape(-1, out_c)
         ok = isinstance(module, tb.Conv2d) and module.matmul_applies()
         parts = {"fwd": (lambda: tb.matmul_conv(x, w)) if ok else None,
-                 "dgrad": (lambda: tb.matmul_conv(gy, w.flip(2, 3).transpose(0, 1))) if ok and need_dgrad else None,
-                 "wgrad": (lambda: g.t() @ tb.unfold_nhwc(x, k)) if ok and module.weight.requires_grad else None}
+                 "dgrad": (lambda: tb.matmul_conv_input_grad(gy, w)) if ok and need_dgrad else None,
+                 "wgrad": (lambda: tb.matmul_conv_weight_grad(gy, x, w.shape[2]))
+                 if ok and module.weight.requires_grad else None}
 
     def seconds(fn):  # mean ± std over repeats of one call each, after one warm-up call
         return time_steps(lambda _: fn(), sync, 1, repeats, warm_up=1)
