@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 import core
@@ -188,19 +189,27 @@ class GhostBatchNorm2d(nn.BatchNorm2d):
             raise ValueError(f"batch of {n} is not divisible into ghost batches of {k}")
         if k * h * w == 1:
             raise ValueError("ghost batches need more than one value per channel")
-        groups = x.float().view(n // k, k, c, h, w)  # statistics in fp32 even under autocast
-        var, mean = torch.var_mean(groups, dim=(1, 3, 4), correction=0, keepdim=True)
-        y = (groups - mean) * torch.rsqrt(var + self.eps)
-        if self.affine:
-            y = y * self.weight.view(1, 1, c, 1, 1) + self.bias.view(1, 1, c, 1, 1)
+        g = n // k
+        # Each ghost batch's channels become channels of their own, (n, c, h, w) -> (k, g * c, h, w) laid out
+        # channels-last, so that one call of PyTorch's fused batch norm normalises every group (statistics in
+        # fp32 also for bf16 input). Two copies of the activations each way cost far less than doing it in
+        # elementwise fp32 ops, which made ghost BN a large share of resnet9-tricks' step on a CPU.
+        stacked = (x.permute(0, 2, 3, 1).reshape(g, k, h, w, c).permute(1, 2, 3, 0, 4)
+                   .reshape(k, h, w, g * c).permute(0, 3, 1, 2))
+        # Momentum 1 leaves each group's own mean and unbiased variance in these buffers.
+        stat_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        group_mean = torch.zeros(g * c, device=x.device, dtype=stat_dtype)
+        group_var = torch.ones(g * c, device=x.device, dtype=stat_dtype)
+        weight = self.weight.repeat(g) if self.affine else None
+        bias = self.bias.repeat(g) if self.affine else None
+        y = F.batch_norm(stacked, group_mean, group_var, weight, bias, True, 1.0, self.eps)
         if self.training and self.track_running_stats:
             factor = _running_average_factor(self)
-            values_per_group = k * h * w
             with torch.no_grad():
-                self.running_mean.mul_(1 - factor).add_(mean.mean(0).flatten(), alpha=factor)
-                unbiased_var = var.mean(0).flatten() * (values_per_group / (values_per_group - 1))
-                self.running_var.mul_(1 - factor).add_(unbiased_var, alpha=factor)
-        return y.reshape(n, c, h, w).to(x.dtype)
+                self.running_mean.mul_(1 - factor).add_(group_mean.view(g, c).mean(0), alpha=factor)
+                self.running_var.mul_(1 - factor).add_(group_var.view(g, c).mean(0), alpha=factor)
+        y = y.permute(0, 2, 3, 1).reshape(k, h, w, g, c).permute(3, 0, 1, 2, 4).reshape(n, h, w, c).permute(0, 3, 1, 2)
+        return y if x.is_contiguous(memory_format=torch.channels_last) else y.contiguous()
 
 
 def convert_bn(module, group_size):

@@ -186,6 +186,63 @@ def test_ghost_bn_normalises_each_chunk_on_its_own(memory_format):
     assert_close(got["running_var"], 0.9 + 0.1 * torch.stack([c.var((0, 2, 3)) for c in chunks]).mean(0))
 
 
+def ghost_bn_reference(x, weight, bias, group_size, eps=1e-5):
+    """Ghost BN in float64, one group at a time, from the formula."""
+    groups = x.double().split(group_size)
+    out = []
+    for chunk in groups:
+        mean = chunk.mean((0, 2, 3), keepdim=True)
+        var = chunk.var((0, 2, 3), unbiased=False, keepdim=True)
+        out.append((chunk - mean) / torch.sqrt(var + eps) * weight.double().view(1, -1, 1, 1)
+                   + bias.double().view(1, -1, 1, 1))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("frozen_scale", [False, True])
+def test_ghost_bn_in_bf16_channels_last_matches_the_float64_formula(frozen_scale):
+    """The form resnet9-tricks trains in: bf16 activations, channels-last, 32-image groups, BN scales frozen.
+    Output, input gradient and bias gradient against float64 per group; the layout is kept."""
+    gen = torch.Generator().manual_seed(3)
+    n, c, k = 128, 16, 32
+    x64 = (torch.randn(n, c, 6, 6, generator=gen, dtype=torch.float64) * 1.5 + 0.7
+           + torch.randn(n // k, 1, c, 1, 1, generator=gen, dtype=torch.float64).expand(-1, k, -1, 1, 1).reshape(n, c, 1, 1))
+    upstream = torch.randn(x64.shape, generator=gen, dtype=torch.float64)
+    x = x64.to(torch.bfloat16).contiguous(memory_format=torch.channels_last).requires_grad_()
+    ghost = parallel.GhostBatchNorm2d(c, group_size=k)
+    with torch.no_grad():
+        ghost.weight.copy_(1 + 0.3 * torch.randn(c, generator=gen))
+        ghost.bias.copy_(0.2 * torch.randn(c, generator=gen))
+    ghost.weight.requires_grad_(not frozen_scale)
+    y = ghost(x)
+    assert y.dtype == torch.bfloat16 and y.is_contiguous(memory_format=torch.channels_last)
+    (y.float() * upstream.float()).sum().backward()
+
+    x_ref = x.detach().double().requires_grad_()
+    w_ref = ghost.weight.detach().double().requires_grad_()
+    b_ref = ghost.bias.detach().double().requires_grad_()
+    y_ref = ghost_bn_reference(x_ref, w_ref, b_ref, k)
+    (y_ref * upstream).sum().backward()
+    assert_close(y.double(), y_ref.detach(), atol=0.03, rtol=0.01)  # bf16 output: 2^-8 relative
+    assert_close(x.grad.double(), x_ref.grad, atol=0.03, rtol=0.02)
+    assert_close(ghost.bias.grad.double(), b_ref.grad, atol=0.05, rtol=0.01)
+    if frozen_scale:
+        assert ghost.weight.grad is None
+    else:
+        assert_close(ghost.weight.grad.double(), w_ref.grad, atol=0.3, rtol=0.02)
+    # Each group's statistics, not the batch's: the group means above differ by about 1.
+    group_means = x_ref.detach().split(k)
+    expected_mean = 0.1 * torch.stack([g.mean((0, 2, 3)) for g in group_means]).mean(0)
+    assert_close(ghost.running_mean.double(), expected_mean, atol=1e-3, rtol=1e-3)
+
+
+def test_ghost_bn_without_affine_parameters_in_float64():
+    x, upstream, _, _ = bn_problem()
+    x = x.double()
+    ghost = parallel.GhostBatchNorm2d(3, group_size=4, affine=False).double()
+    got = ghost(x.clone().requires_grad_())
+    assert_close(got, ghost_bn_reference(x, torch.ones(3), torch.zeros(3), 4))
+
+
 def test_ghost_bn_needs_whole_groups():
     with pytest.raises(ValueError, match="divisible"):
         parallel.GhostBatchNorm2d(3, group_size=3)(torch.randn(8, 3, 2, 2))
