@@ -106,8 +106,10 @@ PRESETS = {
     # filter held at norm sqrt(out channels)), the rest is Nesterov SGD. 8 epochs at batch 2000, LR falling
     # linearly from the start, no lookahead: 0.284 PF. In the form of airbench94's Muon record (94.01%, n=200,
     # 0.29 PF on an A100); decay per step and the biases' and head's LR match it in this mean-loss form.
-    # bf16, AMX CPU: 94.06 ± 0.08% (n=5: 93.99, 94.18, 93.98, 94.03, 94.10), 706 ± 63 s a run,
-    # logs/fast94-20261201-171326-25186 (run as --muon-ns-steps 3 --muon-norm sqrt_out, which this preset is).
+    # bf16, AMX CPU, oneDNN's convs: 94.06 ± 0.08% (n=5: 93.99, 94.18, 93.98, 94.03, 94.10), 706 ± 63 s a run,
+    # logs/fast94-20261201-171326-25186 (run as --muon-ns-steps 3 --muon-norm sqrt_out, which this preset is);
+    # with the small-map convs as matmuls (cpu_conv), same seeds: 93.98 ± 0.10% (93.95, 94.11, 93.84, 94.04,
+    # 93.95), 696 ± 30 s, logs/fast94-20261201-213319-5651. All ten: 94.02 ± 0.10%.
     # The form before it (5 steps, each filter held at its initial norm; 0.285 PF), same seeds: 93.99 ± 0.13%
     # (logs/fast94-20261201-105958-10335), and in fp32 93.97 ± 0.19% (logs/fast94-20261130-*). Seed by seed
     # against those bf16 runs the record's form is 0.07 ± 0.08 points higher (mean ± standard error): noise.
