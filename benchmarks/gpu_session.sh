@@ -27,10 +27,6 @@ python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version
 # 1. fast94 (#3): n = 20, compiled outside the timer.
 step fast94-compile-n20 python train_cifar.py --preset fast94 --data "$DATA" --device cuda --compile true \
     --runs 20 --log-dir "$LOGS"
-# 1b. fast94 in airbench94_muon's own Muon form (3 Newton-Schulz steps, filters held at sqrt(out)): n = 20,
-#     to tell whether it is the better fast94 (#3).
-step fast94-muon-record-form-n20 python train_cifar.py --preset fast94 --data "$DATA" --device cuda --compile true \
-    --muon-ns-steps 3 --muon-norm sqrt_out --runs 20 --log-dir "$LOGS"
 # 2. resnet9 (#2): n = 5.
 step resnet9-n5 python train_cifar.py --preset resnet9 --data "$DATA" --device cuda --runs 5 --log-dir "$LOGS"
 # 2b. resnet9-tricks (#3) and fast94-sgd, the SGD recipe fast94 replaced (#3): n = 5 each.
