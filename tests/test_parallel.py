@@ -204,8 +204,9 @@ def test_ghost_bn_in_bf16_channels_last_matches_the_float64_formula(frozen_scale
     Output, input gradient and bias gradient against float64 per group; the layout is kept."""
     gen = torch.Generator().manual_seed(3)
     n, c, k = 128, 16, 32
+    group_offsets = torch.randn(n // k, 1, c, 1, 1, generator=gen, dtype=torch.float64)
     x64 = (torch.randn(n, c, 6, 6, generator=gen, dtype=torch.float64) * 1.5 + 0.7
-           + torch.randn(n // k, 1, c, 1, 1, generator=gen, dtype=torch.float64).expand(-1, k, -1, 1, 1).reshape(n, c, 1, 1))
+           + group_offsets.expand(-1, k, -1, 1, 1).reshape(n, c, 1, 1))
     upstream = torch.randn(x64.shape, generator=gen, dtype=torch.float64)
     x = x64.to(torch.bfloat16).contiguous(memory_format=torch.channels_last).requires_grad_()
     ghost = parallel.GhostBatchNorm2d(c, group_size=k)
