@@ -208,7 +208,8 @@ class GhostBatchNorm2d(nn.BatchNorm2d):
             with torch.no_grad():
                 self.running_mean.mul_(1 - factor).add_(group_mean.view(g, c).mean(0), alpha=factor)
                 self.running_var.mul_(1 - factor).add_(group_var.view(g, c).mean(0), alpha=factor)
-        y = y.permute(0, 2, 3, 1).reshape(k, h, w, g, c).permute(3, 0, 1, 2, 4).reshape(n, h, w, c).permute(0, 3, 1, 2)
+        y = (y.permute(0, 2, 3, 1).reshape(k, h, w, g, c).permute(3, 0, 1, 2, 4)  # back to (n, c, h, w)
+             .reshape(n, h, w, c).permute(0, 3, 1, 2))
         return y if x.is_contiguous(memory_format=torch.channels_last) else y.contiguous()
 
 
