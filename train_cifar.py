@@ -64,6 +64,10 @@ COMMON = dict(
     # CPU, bf16: 3x3 convs on maps of 8x8 and smaller by matmul over the unfolded input (tb.Conv2d; measured
     # faster there), or "onednn": PyTorch's own conv kernels everywhere. No effect on GPUs.
     cpu_conv="matmul",
+    # Progressive resizing: the side of the training images in each epoch (the last entry repeats; empty: 32
+    # throughout). Crops and flips are drawn at 32 px and the batch is then resized (bilinear, antialiased), so
+    # an epoch sees whole images at a lower resolution for ~(side/32)^2 of the FLOPs. Evaluation is at 32.
+    train_sizes=(),
 )
 
 PRESETS = {
@@ -157,6 +161,7 @@ PRESETS = {
         lookahead_start_epoch=0, lookahead_sync="end", lookahead_every=5, lookahead_decay=0.95, lookahead_pow=3.0),
 }
 DEFAULT_PRESET = "fast94"
+IMAGE_SIZE = 32
 NETS = ("resnet9", "resnet9_tricks", "preact_resnet18", "preact_resnet18_dup", "fastnet")
 
 
@@ -175,6 +180,7 @@ def make_config(preset=DEFAULT_PRESET, **overrides):
 
 
 CPU_CONV_MODES = ("matmul", "onednn")
+MIN_TRAIN_SIZE = 16  # below this the nets' three or four 2x poolings leave no map to pool
 
 
 def check_config(cfg):
@@ -223,6 +229,8 @@ def check_config(cfg):
     need(cfg["echo"] in pipeline.ECHO_MODES, f"echo must be one of {', '.join(pipeline.ECHO_MODES)}")
     need(cfg["echo_factor"] >= 1 and cfg["echo_shuffle_buffer"] >= 0, "need echo-factor >= 1, echo-shuffle-buffer >= 0")
     need(cfg["eval_every_steps"] >= 0 and 0 <= cfg["holdout"] < 50000, "need eval-every-steps >= 0, 0 <= holdout < 50000")
+    need(all(int(v) == v and MIN_TRAIN_SIZE <= v <= 32 for v in cfg["train_sizes"]),
+         f"train-sizes must be whole numbers of pixels in {MIN_TRAIN_SIZE}..32")
     need(cfg["pipeline"] in ("device", "loader") and cfg["loader_workers"] >= 0,
          "pipeline must be device or loader, loader-workers >= 0")
 
@@ -410,15 +418,16 @@ def warm_up_compile(cfg, model, device, precision, world):
     local_bs = cfg["batch_size"] // world
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     gen = torch.Generator(device=device).manual_seed(0)  # leaves the run's random streams alone
-    x = torch.randn(local_bs, 3, 32, 32, device=device, generator=gen)
-    x = x.to(tb.DTYPES[precision]).to(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (local_bs,), device=device, generator=gen)
     whiten_states = [True, False] if cfg["whiten_bias_epochs"] and hasattr(model, "whiten") else [None]
     before = model.whiten.bias.requires_grad if whiten_states[0] is not None else None
     for grad in whiten_states:
         if grad is not None:
             model.whiten.bias.requires_grad_(grad)
-        forward_loss(cfg, make_step_fn(cfg, model, world), x, y, precision, device)[1].backward()
+        for size in sorted(set(cfg["train_sizes"]) | {IMAGE_SIZE}):  # each image size is another graph
+            x = torch.randn(local_bs, 3, size, size, device=device, generator=gen)
+            x = x.to(tb.DTYPES[precision]).to(memory_format=torch.channels_last)
+            forward_loss(cfg, make_step_fn(cfg, model, world), x, y, precision, device)[1].backward()
     if before is not None:
         model.whiten.bias.requires_grad_(before)
     model.zero_grad(set_to_none=True)
@@ -436,6 +445,18 @@ def steps_per_epoch(cfg, n_train):
 
 def run_steps(cfg, n_train):
     return math.ceil(steps_per_epoch(cfg, n_train) * cfg["epochs"])
+
+
+def train_size(cfg, epoch):
+    """The side of the training images in this epoch (1-based; progressive resizing, train_sizes)."""
+    sizes = cfg["train_sizes"]
+    return int(sizes[min(epoch, len(sizes)) - 1]) if sizes else IMAGE_SIZE
+
+
+def step_sizes(cfg, n_train):
+    """The training image side at every step of a run."""
+    per_epoch = steps_per_epoch(cfg, n_train)
+    return [train_size(cfg, s // per_epoch + 1) for s in range(run_steps(cfg, n_train))]
 
 
 def set_lr(opt, lr):
@@ -498,9 +519,10 @@ class Proxy:
         self.scaler.load_state_dict(state["scaler"])
 
 
-def train_flops(cfg, model, device, precision, batch_size):
-    """FLOPs of one training step (forward and backward) at this batch size; the update itself is ignored."""
-    x = torch.randn(batch_size, 3, 32, 32, device=device).to(memory_format=torch.channels_last)
+def train_flops(cfg, model, device, precision, batch_size, size=IMAGE_SIZE):
+    """FLOPs of one training step (forward and backward) at this batch size and image side; the update itself
+    is ignored."""
+    x = torch.randn(batch_size, 3, size, size, device=device).to(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (batch_size,), device=device)
 
     def step():
@@ -512,27 +534,35 @@ def train_flops(cfg, model, device, precision, batch_size):
     return flops
 
 
-def step_flops(cfg, model, opt, device, precision, batch_size):
+def step_flops(cfg, model, opt, device, precision, batch_size, size=IMAGE_SIZE):
     """train_flops plus what the optimizer's update computes in matrix products (Muon's Newton-Schulz)."""
-    return train_flops(cfg, model, device, precision, batch_size) + getattr(opt, "update_flops", lambda: 0)()
+    return train_flops(cfg, model, device, precision, batch_size, size) + getattr(opt, "update_flops", lambda: 0)()
 
 
-def run_flops(cfg, model, opt, device, precision, n_train):
-    """(FLOPs per step, steps, FLOPs of a whole run). With data selection a step also scores its candidates
-    with the proxy (a forward pass), and every proxy_every-th step the proxy trains: a backward pass through
-    the candidates' forward and its own update."""
-    per_step = step_flops(cfg, model, opt, device, precision, cfg["batch_size"])
-    steps = run_steps(cfg, n_train)
-    proxy_total = 0
-    if cfg["select_fraction"] < 1:
-        proxy = Proxy(cfg, None, None, device, precision)
-        x = torch.randn(candidate_batch_size(cfg), 3, 32, 32, device=device).to(memory_format=torch.channels_last)
-        with torch.no_grad():
-            scoring = tb.count_flops(lambda: proxy.model(x))
-        training = step_flops(proxy.cfg, proxy.model, proxy.opt, device, precision, len(x))
-        per_step += scoring
-        proxy_total = math.ceil(steps / cfg["proxy_every"]) * (training - scoring)
-    return per_step, steps, per_step * steps + proxy_total
+def run_flops(cfg, model, opt, device, precision, n_train, steps_done=None):
+    """(FLOPs of a step at the run's last image size, steps, FLOPs of the whole run, or of its first steps_done
+    steps). Each image size of progressive resizing is counted once. With data selection a step also scores its
+    candidates with the proxy (a forward pass), and every proxy_every-th step the proxy trains: a backward pass
+    through the candidates' forward and its own update."""
+    sizes = step_sizes(cfg, n_train)
+    steps = len(sizes)
+    proxy = Proxy(cfg, None, None, device, precision) if cfg["select_fraction"] < 1 else None
+    per_size, proxy_training = {}, {}
+    for size in set(sizes):
+        per_size[size] = step_flops(cfg, model, opt, device, precision, cfg["batch_size"], size)
+        if proxy is not None:
+            x = torch.randn(candidate_batch_size(cfg), 3, size, size, device=device)
+            x = x.to(memory_format=torch.channels_last)
+            with torch.no_grad():
+                scoring = tb.count_flops(lambda: proxy.model(x))
+            training = step_flops(proxy.cfg, proxy.model, proxy.opt, device, precision, len(x), size)
+            per_size[size] += scoring
+            proxy_training[size] = training - scoring
+    done = sizes[:steps if steps_done is None else steps_done]
+    total = sum(per_size[size] for size in done)
+    if proxy is not None:  # the proxy trains at steps 0, every, 2 every, ...
+        total += sum(proxy_training[size] for size in done[::cfg["proxy_every"]])
+    return per_size[sizes[-1]], steps, total
 
 
 def checkpoint_mismatch(state, cfg, seed, precision):
@@ -656,6 +686,7 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
                 model.whiten.bias.requires_grad_(trainable)
                 if world > 1:  # DDP fixes the parameters it reduces when it is built: build it again
                     step_fn = make_step_fn(cfg, model, world)
+        size = train_size(cfg, epoch)
         loss_sum = torch.zeros((), device=device)
         correct = torch.zeros((), device=device, dtype=torch.long)
         seen, stop, epoch_start = 0, False, timer.total
@@ -666,6 +697,8 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
             lr = lr_at(step / per_epoch)
             set_lr(opt, lr)
             x, y = stream.next_batch(rank * local_candidates, (rank + 1) * local_candidates)  # this process's slice
+            if size != x.shape[-1]:
+                x = tb.resize_images(x, size)
             if proxy is not None:
                 x, y = proxy.select(x, y, local_bs, lr, train=step % cfg["proxy_every"] == 0)
             out, loss = train_step(cfg, step_fn, opt, x, y, precision, device, scaler)
@@ -877,8 +910,11 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
                                     time_to_target_s=None, total_time_s=None, train_flops=None, diverged=True))
                 raise
             res["train_flops"] = flops_per_run
-            if res.get("stopped_after_epoch"):  # only the steps it trained
-                res["train_flops"] = flops_per_run - flops_per_step * (steps - res["steps_trained"])
+            if res.get("stopped_after_epoch"):  # only the steps it trained, counted on shapes alone
+                meta = torch.device("meta")
+                net = build_model(cfg, meta)
+                res["train_flops"] = run_flops(cfg, net, make_optimizer(cfg, net), meta, "fp32",
+                                               len(data["train_y"]), res["steps_trained"])[2]
             results.append(res)
             if json_path:  # rewritten after every run so a crash keeps the finished ones
                 core.write_json_atomic(json_path, summarise(cfg, results, hardware, precision, flops_per_step, steps,
@@ -945,7 +981,7 @@ def parse_args(argv):
         if isinstance(example, bool):
             p.add_argument(flag, type=str2bool, default=None, metavar="BOOL")
         elif isinstance(example, (tuple, list)):
-            p.add_argument(flag, type=int if k.endswith("widths") else float, nargs="+", default=None)
+            p.add_argument(flag, type=int if k.endswith(("widths", "sizes")) else float, nargs="+", default=None)
         elif k == "epochs" or isinstance(example, float):
             p.add_argument(flag, type=float, default=None)
         elif isinstance(example, int):
@@ -959,7 +995,7 @@ def main(argv=None):
     parser, args = parse_args(argv)
     overrides = {k: v for k, v in vars(args).items()
                  if k not in ("preset", "log_dir", "device", "checkpoint") and v is not None}
-    for k in ("lr_knots", "lr_values", "widths"):
+    for k in ("lr_knots", "lr_values", "widths", "train_sizes"):
         if k in overrides:
             overrides[k] = tuple(overrides[k])
     try:

@@ -58,26 +58,32 @@ def measure(preset, device, steps, repeats, compile=False, overrides=None):
     proxy_calls = [0]  # over warm-up and repeats, so a proxy_every-th of the timed steps train it
     losses = []  # a fast step is worth nothing if it computes NaN (as compiled resnet18 did on a CPU)
 
-    def batch(i, size):
-        start = (i * size) % (N_TRAIN - size)
-        idx = torch.arange(start, start + size, device=device)
-        x = tb.augment(x_all, idx, {k: v[start:start + size] for k, v in aug.items()}, cutout=cfg["cutout"])
-        return x, y_all[idx]
+    def batch(i, n, side):
+        start = (i * n) % (N_TRAIN - n)
+        idx = torch.arange(start, start + n, device=device)
+        x = tb.augment(x_all, idx, {k: v[start:start + n] for k, v in aug.items()}, cutout=cfg["cutout"])
+        return (x if side == x.shape[-1] else tb.resize_images(x, side)), y_all[idx]
 
-    def step(i):
-        x, y = batch(i, drawn)
+    def step(i, side):
+        x, y = batch(i, drawn, side)
         if proxy is not None:  # scoring, and the proxy's own training step every proxy_every steps, as in a run
             proxy_calls[0] += 1
             x, y = proxy.select(x, y, bs, 1e-3, train=proxy_calls[0] % cfg["proxy_every"] == 0)
         losses.append(train_cifar.train_step(cfg, step_fn, opt, x, y, precision, device)[1].detach())
 
-    per_step = time_steps(step, sync, steps, repeats, warm_up=3 if compile else 2)
-    est_time, est_std = run_steps * per_step[0], run_steps * per_step[1]
+    # Progressive resizing: each image size is timed on its own and weighted by the run's steps at it.
+    sizes = train_cifar.step_sizes(cfg, N_TRAIN)
+    seconds = {side: time_steps(lambda i: step(i, side), sync, steps, repeats, warm_up=3 if compile else 2)
+               for side in sorted(set(sizes))}
+    est_time = sum(seconds[side][0] for side in sizes)
+    est_std = sum(seconds[side][1] for side in sizes)  # the sizes' errors added, not in quadrature: an upper bound
+    per_step = (est_time / run_steps, est_std / run_steps)
     return dict(preset=preset, overrides=overrides or {}, compile=compile, precision=precision, batch_size=bs,
                 candidates_per_step=drawn, flops_per_step=flops_step, train_flops_per_run=flops_run,
                 img_per_s=(bs / per_step[0], bs * per_step[1] / per_step[0] ** 2),
                 tflop_per_s=(flops_run / est_time / 1e12, flops_run * est_std / est_time ** 2 / 1e12),
-                est_train_time_s=est_time, losses_finite=bool(torch.stack(losses).isfinite().all()))
+                est_train_time_s=est_time, losses_finite=bool(torch.stack(losses).isfinite().all()),
+                seconds_per_step_by_size={str(side): seconds[side] for side in seconds})
 
 
 def count_only(preset, overrides=None):
@@ -88,11 +94,15 @@ def count_only(preset, overrides=None):
     model = train_cifar.build_model(cfg, meta)
     opt = train_cifar.make_optimizer(cfg, model)
     per_step, steps, per_run = train_cifar.run_flops(cfg, model, opt, meta, "fp32", N_TRAIN)
-    net_step = train_cifar.step_flops(cfg, model, opt, meta, "fp32", cfg["batch_size"])
+    sizes = train_cifar.step_sizes(cfg, N_TRAIN)
+    net_step = train_cifar.step_flops(cfg, model, opt, meta, "fp32", cfg["batch_size"], sizes[-1])
+    # a step at each size of progressive resizing, with its scoring: what is left of the run trains the proxy
+    stepping = {side: train_cifar.run_flops(dict(cfg, train_sizes=(side,)), model, opt, meta, "fp32", N_TRAIN)[0]
+                for side in set(sizes)}
     return dict(preset=preset, overrides=overrides or {}, batch_size=cfg["batch_size"],
                 candidates_per_step=train_cifar.candidate_batch_size(cfg), flops_per_step=per_step,
                 net_flops_per_step=net_step, scoring_flops_per_step=per_step - net_step, train_steps=steps,
-                proxy_train_flops=per_run - per_step * steps, train_flops_per_run=per_run)
+                proxy_train_flops=per_run - sum(stepping[side] for side in sizes), train_flops_per_run=per_run)
 
 
 def matmul_peak(device, precision, size=None, repeats=5):

@@ -35,6 +35,7 @@ def tiny_npz(tmp_path, tiny):
     (["--lr-knots", "0", "5", "9"], "same length"),
     (["--precision", "fp16", "--device", "cpu"], "fp16 is for CUDA"),
     (["--batch-size", "500"], "exceeds the 200 training images"),
+    (["--train-sizes", "12", "32"], "train-sizes must be whole numbers of pixels in 16..32"),
 ])
 def test_bad_options_exit_2_with_one_line(tiny_npz, args, message):
     r = cli("--data", tiny_npz, "--log-dir", "", *args)
