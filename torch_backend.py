@@ -208,15 +208,15 @@ def augment_reference(x_padded_nhwc, index, aug, size=32, cutout=0):
     return torch.stack(out)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Precision
-
 def resize_images(x, size):
     """A batch (N, C, H, W) resized to size x size, bilinear with antialiasing (a proper low-pass when shrinking).
     PyTorch's antialiased kernel has no bf16 version on CPU, so it runs in fp32; layout and dtype are kept."""
     y = F.interpolate(x.float(), size=(size, size), mode="bilinear", antialias=True, align_corners=False)
     return y.to(x.dtype)
 
+
+# ---------------------------------------------------------------------------------------------------------------
+# Precision
 
 def resolve_precision(name, device):
     """auto: bf16 where the hardware runs it natively, fp16 on older CUDA GPUs, fp32 otherwise."""

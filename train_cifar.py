@@ -385,7 +385,8 @@ def make_step_fn(cfg, model, world):
             group = cfg["allreduce_group_size"] or int(os.environ.get("LOCAL_WORLD_SIZE", world))
             step_fn.register_comm_hook(parallel.make_hierarchical_state(world, group),
                                        parallel.hierarchical_allreduce_hook)
-    return torch.compile(step_fn) if cfg["compile"] else step_fn
+    # dynamic=False: each image size of progressive resizing gets its own static graph, not one dynamic graph
+    return torch.compile(step_fn, dynamic=False) if cfg["compile"] else step_fn
 
 
 def forward_loss(cfg, step_fn, x, y, precision, device):
