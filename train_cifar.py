@@ -108,21 +108,23 @@ PRESETS = {
     # faster BN biases, label smoothing 0.2, alternating flips, translate 2, 6-view TTA; the conv filters take
     # orthogonalised (Muon) updates at 0.15x the schedule's LR with momentum 0.6 (3 Newton-Schulz steps, every
     # filter held at norm sqrt(out channels)), the rest is Nesterov SGD. 8 epochs at batch 2000, LR falling
-    # linearly from the start, no lookahead: 0.284 PF. In the form of airbench94's Muon record (94.01%, n=200,
-    # 0.29 PF on an A100); decay per step and the biases' and head's LR match it in this mean-loss form.
-    # bf16, AMX CPU, oneDNN's convs: 94.06 ± 0.08% (n=5: 93.99, 94.18, 93.98, 94.03, 94.10), 706 ± 63 s a run,
-    # logs/fast94-20261201-171326-25186 (run as --muon-ns-steps 3 --muon-norm sqrt_out, which this preset is);
-    # with the small-map convs as matmuls (cpu_conv), same seeds: 93.98 ± 0.10% (93.95, 94.11, 93.84, 94.04,
-    # 93.95), 696 ± 30 s, logs/fast94-20261201-213319-5651. All ten: 94.02 ± 0.10%.
-    # The form before it (5 steps, each filter held at its initial norm; 0.285 PF), same seeds: 93.99 ± 0.13%
-    # (logs/fast94-20261201-105958-10335), and in fp32 93.97 ± 0.19% (logs/fast94-20261130-*). Seed by seed
-    # against those bf16 runs the record's form is 0.07 ± 0.08 points higher (mean ± standard error): noise.
+    # linearly from the start, no lookahead; the first 3 epochs on images shrunk to 24 px (progressive
+    # resizing): 0.234 PF. In the form of airbench94's Muon record (94.01%, n=200, 0.29 PF on an A100) but
+    # for the resizing; decay per step and the biases' and head's LR match it in this mean-loss form.
+    # bf16, AMX CPU: 94.02 ± 0.17% (n=5: 94.01, 94.28, 94.09, 93.89, 93.84), 601 ± 24 s a run,
+    # logs/fast94-20261202-010346-15337 (seed 0) and -012426-15601 (seeds 1-4), run as --train-sizes 24 24 24 32.
+    # 5 epochs at 24 px (0.200 PF): 93.71% (seed 0, logs/fast94-20261202-011459-15461): too far.
+    # At 32 px throughout (0.284 PF), same seeds: 93.98 ± 0.10% with the small-map convs as matmuls, 696 ± 30 s
+    # (logs/fast94-20261201-213319-5651), and 94.06 ± 0.08% with oneDNN's (logs/fast94-20261201-171326-25186);
+    # seed by seed the resizing is +0.04 ± 0.08 and -0.03 ± 0.07 points against them (mean ± standard error).
+    # Before that (5 Newton-Schulz steps, each filter at its initial norm; 0.285 PF), same seeds: 93.99 ± 0.13%
+    # (logs/fast94-20261201-105958-10335), and in fp32 93.97 ± 0.19% (logs/fast94-20261130-*).
     "fast94": dict(
         net="fastnet", widths=(64, 256, 256), epochs=8, batch_size=2000,
         lr_knots=(0, 8), lr_values=(1.6, 0.0), momentum=0.85, weight_decay=2.5e-3,
         optimizer="muon", muon_lr_scale=0.15, muon_momentum=0.6, muon_norm="sqrt_out", muon_ns_steps=3,
         bias_lr_scale=64.0, label_smoothing=0.2, flip="alternate", pad=2, cutout=0, tta=2,
-        whiten_bias_epochs=3, lookahead_start_epoch=-1),
+        whiten_bias_epochs=3, lookahead_start_epoch=-1, train_sizes=(24, 24, 24, 32)),
     # The same net with SGD throughout, in the form of airbench94 (94.01%, n=1000, 0.36 PF on an A100): 9.9
     # epochs at batch 1024, lookahead, 0.345 PF. Here (bf16 CPU): 93.80% in one process and 94.03% with two
     # (n=1 each). It was fast94 until the Muon recipe matched it with 17% fewer FLOPs; the studies use it.

@@ -5,7 +5,7 @@ peak (on a 2-core AMX CPU in bf16: the wgrad kernels, 1.5-9x slower than the sam
 timed twice where it can be: PyTorch's own kernel (oneDNN on CPUs) and the same sums as one matmul over the
 unfolded input (tb.SmallMapConv), which is the evidence for where tb.Conv2d takes the matmul (--cpu-conv).
 
-    python benchmarks/bench_convs.py [--preset fast94] [--repeats 5] [--batch-size N]
+    python benchmarks/bench_convs.py [--preset fast94] [--repeats 5] [--batch-size N] [--image-size 24]
 
 Random data of each conv's shape (layouts as in a run: channels-last, the autocast dtype); mean ± std over repeats
 after a warm-up. dgrad is skipped where a run needs none (the first conv's input is the data), wgrad where the
@@ -27,7 +27,7 @@ import train_cifar  # noqa: E402
 from bench_presets import time_steps  # noqa: E402
 
 
-def conv_layers(model, device):
+def conv_layers(model, device, image_size=32):
     """(name, module, input shape without the batch, whether a run needs the input's gradient) of every Conv2d,
     in forward order, found by running two images through the net (in eval mode, so its BN statistics stay)."""
     found = []
@@ -39,7 +39,7 @@ def conv_layers(model, device):
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in model.named_modules() if isinstance(m, nn.Conv2d)]
     was_training = model.training
     try:
-        model.eval()(torch.zeros(2, 3, 32, 32, device=device))
+        model.eval()(torch.zeros(2, 3, image_size, image_size, device=device))
     finally:
         model.train(was_training)
         for h in handles:
@@ -82,11 +82,12 @@ def main():
     p.add_argument("--preset", default=train_cifar.DEFAULT_PRESET, choices=list(train_cifar.PRESETS))
     p.add_argument("--batch-size", type=int, default=0, help="default: the preset's")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--image-size", type=int, default=32, help="input side (24: fast94's progressively resized epochs)")
     p.add_argument("--device", default=None)
     p.add_argument("--log-dir", default="logs")
     a = p.parse_args()
-    if a.repeats < 1 or a.batch_size < 0:
-        p.error("--repeats must be >= 1 and --batch-size >= 0")
+    if a.repeats < 1 or a.batch_size < 0 or not train_cifar.MIN_TRAIN_SIZE <= a.image_size <= 32:
+        p.error(f"--repeats must be >= 1, --batch-size >= 0 and --image-size in {train_cifar.MIN_TRAIN_SIZE}..32")
     device = torch.device(a.device) if a.device else tb.default_device()
     cfg = train_cifar.make_config(a.preset)
     precision = tb.resolve_precision(cfg["precision"], device)
@@ -94,14 +95,15 @@ def main():
     model = train_cifar.build_model(cfg, device)
     info = dict(preset=a.preset, hardware=tb.device_name(device), torch=torch.__version__, commit=core.git_commit(),
                 date=core.utc_timestamp(),
-                precision=precision, batch_size=batch_size, repeats=a.repeats, threads=torch.get_num_threads())
-    print(f"{a.preset}, batch {batch_size}, {precision}; {info['hardware']}, torch {torch.__version__}")
+                precision=precision, batch_size=batch_size, image_size=a.image_size, repeats=a.repeats,
+                threads=torch.get_num_threads())
+    print(f"{a.preset}, batch {batch_size}, {a.image_size} px, {precision}; {info['hardware']}, torch {torch.__version__}")
     parts = ("fwd", "dgrad", "wgrad")
     table = core.Table(["conv", "in", "out"] + [f"{p}_{c}" for p in parts for c in ("ms", "TF/s", "mm_ms")],
                        width=10)
     results = []
     totals = {"onednn": dict.fromkeys(parts, 0.0), "as_run": dict.fromkeys(parts, 0.0)}
-    for name, module, in_shape, need_dgrad in conv_layers(model, device):
+    for name, module, in_shape, need_dgrad in conv_layers(model, device, a.image_size):
         flops, t = measure_conv(module, in_shape, need_dgrad, batch_size, tb.DTYPES[precision], device, a.repeats)
         t_mm = measure_conv(module, in_shape, need_dgrad, batch_size, tb.DTYPES[precision], device, a.repeats,
                             matmul=True)[1]

@@ -22,6 +22,9 @@ def test_bench_convs_sees_fast94s_convs_as_a_run_does():
         ("whiten", (3, 32, 32)), ("blocks.0", (24, 31, 31)), ("blocks.4", (w1, 15, 15)), ("blocks.7", (w1, 15, 15)),
         ("blocks.11", (w2, 7, 7)), ("blocks.14", (w2, 7, 7)), ("blocks.18", (w3, 3, 3))]
     assert [need_dgrad for *_, need_dgrad in layers] == [False] + [True] * 6  # the data needs no gradient
+    # fast94's first epochs train on 24 px images (progressive resizing): 24 -> 23 -> 11 -> 5 -> 2
+    small = bench_convs.conv_layers(train_cifar.build_model(cfg, CPU), CPU, image_size=24)
+    assert [shape[1] for _, _, shape, _ in small] == [24, 23, 11, 11, 5, 5, 2]
 
     _, last, shape, need_dgrad = layers[-1]
     flops, seconds = bench_convs.measure_conv(last, shape, need_dgrad, 3, torch.float32, CPU, 1)
