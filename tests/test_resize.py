@@ -77,3 +77,14 @@ def test_run_flops_sum_each_steps_own_size():
 def test_impossible_sizes_are_refused(sizes):
     with pytest.raises(ValueError, match="train-sizes must be whole numbers of pixels in 16..32"):
         train_cifar.make_config("fast94", train_sizes=sizes)
+
+
+@pytest.mark.parametrize("net", train_cifar.NETS)
+def test_every_net_trains_on_the_smallest_size_allowed(net):
+    widths = (8, 16, 16) if net == "fastnet" else (8, 8, 16, 16)
+    cfg = train_cifar.make_config("resnet9", net=net, widths=widths, precision="fp32")
+    model = train_cifar.build_model(cfg, torch.device("cpu"))
+    x = torch.randn(4, 3, train_cifar.MIN_TRAIN_SIZE, train_cifar.MIN_TRAIN_SIZE)
+    out = model(x.contiguous(memory_format=torch.channels_last))
+    assert out.shape == (4, 10)
+    out.sum().backward()
