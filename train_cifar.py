@@ -83,8 +83,9 @@ PRESETS = {
     # step, updated every 5) is what gets evaluated, with mirror TTA. Their summed-loss LR 1.0/512 and decay
     # 5e-4*512 at batch 512 are lr 1.0 and weight decay 5e-4 here; the LR peaks at epoch 2 (epochs/5), falls to
     # a tenth by epoch 8 and stays there while the EMA settles. Crop and flip, no cutout (bag_of_tricks.ipynb,
-    # its last 10-epoch cell). Here (bf16, 2-core AMX CPU): 94.01 ± 0.13% (n=3: 93.87, 94.10, 94.07),
-    # logs/resnet9-tricks-20261201-120951-11203, -224122-8450 and -232504-9128 (seeds 1-2 with the fused ghost BN).
+    # its last 10-epoch cell). Here (bf16, 2-core AMX CPU): 94.08 ± 0.13% (n=5: 93.87, 94.10, 94.07, 94.18,
+    # 94.19), logs/resnet9-tricks-20261201-120951-11203, -224122-8450, -232504-9128, -20261202-002542-13358 and
+    # -020648-15889 (seeds 1-4 with the fused ghost BN).
     "resnet9-tricks": dict(
         net="resnet9_tricks", widths=(64, 128, 256, 512), epochs=10, batch_size=512,
         lr_knots=(0, 2, 8, 10), lr_values=(0, 1.0, 0.1, 0.1), momentum=0.9, weight_decay=5e-4,
