@@ -209,8 +209,11 @@ def augment_reference(x_padded_nhwc, index, aug, size=32, cutout=0):
 
 
 def resize_images(x, size):
-    """A batch (N, C, H, W) resized to size x size, bilinear with antialiasing (a proper low-pass when shrinking).
-    PyTorch's antialiased kernel has no bf16 version on CPU, so it runs in fp32; layout and dtype are kept."""
+    """A batch (N, C, H, W) resized to size x size, bilinear with antialiasing (a proper low-pass when shrinking);
+    the batch itself where it already has that size. PyTorch's antialiased kernel has no bf16 version on CPU, so
+    it runs in fp32; layout and dtype are kept."""
+    if x.shape[-2:] == (size, size):
+        return x
     y = F.interpolate(x.float(), size=(size, size), mode="bilinear", antialias=True, align_corners=False)
     return y.to(x.dtype)
 

@@ -232,8 +232,8 @@ def check_config(cfg):
     need(cfg["echo"] in pipeline.ECHO_MODES, f"echo must be one of {', '.join(pipeline.ECHO_MODES)}")
     need(cfg["echo_factor"] >= 1 and cfg["echo_shuffle_buffer"] >= 0, "need echo-factor >= 1, echo-shuffle-buffer >= 0")
     need(cfg["eval_every_steps"] >= 0 and 0 <= cfg["holdout"] < 50000, "need eval-every-steps >= 0, 0 <= holdout < 50000")
-    need(all(int(v) == v and MIN_TRAIN_SIZE <= v <= 32 for v in cfg["train_sizes"]),
-         f"train-sizes must be whole numbers of pixels in {MIN_TRAIN_SIZE}..32")
+    need(all(int(v) == v and MIN_TRAIN_SIZE <= v <= IMAGE_SIZE for v in cfg["train_sizes"]),
+         f"train-sizes must be whole numbers of pixels in {MIN_TRAIN_SIZE}..{IMAGE_SIZE}")
     need(cfg["pipeline"] in ("device", "loader") and cfg["loader_workers"] >= 0,
          "pipeline must be device or loader, loader-workers >= 0")
 
@@ -701,8 +701,7 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
             lr = lr_at(step / per_epoch)
             set_lr(opt, lr)
             x, y = stream.next_batch(rank * local_candidates, (rank + 1) * local_candidates)  # this process's slice
-            if size != x.shape[-1]:
-                x = tb.resize_images(x, size)
+            x = tb.resize_images(x, size)
             if proxy is not None:
                 x, y = proxy.select(x, y, local_bs, lr, train=step % cfg["proxy_every"] == 0)
             out, loss = train_step(cfg, step_fn, opt, x, y, precision, device, scaler)

@@ -86,8 +86,9 @@ def main():
     p.add_argument("--device", default=None)
     p.add_argument("--log-dir", default="logs")
     a = p.parse_args()
-    if a.repeats < 1 or a.batch_size < 0 or not train_cifar.MIN_TRAIN_SIZE <= a.image_size <= 32:
-        p.error(f"--repeats must be >= 1, --batch-size >= 0 and --image-size in {train_cifar.MIN_TRAIN_SIZE}..32")
+    if a.repeats < 1 or a.batch_size < 0 or not train_cifar.MIN_TRAIN_SIZE <= a.image_size <= train_cifar.IMAGE_SIZE:
+        p.error(f"--repeats must be >= 1, --batch-size >= 0 and --image-size in "
+                f"{train_cifar.MIN_TRAIN_SIZE}..{train_cifar.IMAGE_SIZE}")
     device = torch.device(a.device) if a.device else tb.default_device()
     cfg = train_cifar.make_config(a.preset)
     precision = tb.resolve_precision(cfg["precision"], device)
@@ -97,7 +98,8 @@ def main():
                 date=core.utc_timestamp(),
                 precision=precision, batch_size=batch_size, image_size=a.image_size, repeats=a.repeats,
                 threads=torch.get_num_threads())
-    print(f"{a.preset}, batch {batch_size}, {a.image_size} px, {precision}; {info['hardware']}, torch {torch.__version__}")
+    print(f"{a.preset}, batch {batch_size}, {a.image_size} px, {precision}; {info['hardware']}, "
+          f"torch {torch.__version__}")
     parts = ("fwd", "dgrad", "wgrad")
     table = core.Table(["conv", "in", "out"] + [f"{p}_{c}" for p in parts for c in ("ms", "TF/s", "mm_ms")],
                        width=10)

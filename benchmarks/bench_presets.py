@@ -62,7 +62,7 @@ def measure(preset, device, steps, repeats, compile=False, overrides=None):
         start = (i * n) % (N_TRAIN - n)
         idx = torch.arange(start, start + n, device=device)
         x = tb.augment(x_all, idx, {k: v[start:start + n] for k, v in aug.items()}, cutout=cfg["cutout"])
-        return (x if side == x.shape[-1] else tb.resize_images(x, side)), y_all[idx]
+        return tb.resize_images(x, side), y_all[idx]
 
     def step(i, side):
         x, y = batch(i, drawn, side)

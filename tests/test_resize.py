@@ -28,6 +28,7 @@ def test_resize_images_is_the_antialiased_shrink_and_keeps_dtype_and_layout():
     y = tb.resize_images(x, 16)
     assert y.shape == (3, 2, 16, 16) and y.dtype == torch.bfloat16
     assert y.is_contiguous(memory_format=torch.channels_last)
+    assert tb.resize_images(x, 32) is x  # full-size epochs pass the batch through untouched
     ref = np.stack([np.stack([halve_reference(c) for c in img]) for img in x.double().numpy()])
     # bf16 output: within its rounding (8 bits of mantissa) of the exact float64 filter
     np.testing.assert_allclose(y.double().numpy(), ref, rtol=2 ** -7, atol=2 ** -7)
