@@ -399,6 +399,21 @@ class SmallMapConv(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
+CPU_CONV_MODES = ("auto", "matmul", "onednn")
+
+
+def resolve_cpu_conv(mode):
+    """The conv kernels a CPU run takes: "matmul" (SmallMapConv on small maps) or "onednn" (PyTorch's own). auto
+    takes the matmuls where the CPU has AMX, whose oneDNN small-map kernels are slow (above), and oneDNN elsewhere:
+    on an AVX-512-bf16 AMD EPYC (Zen 5) oneDNN's run the same convs at 0.35-0.97 TFLOP/s, near its matmul rate,
+    and the unfolding costs more than it saves (logs/bench_convs-fast94-2026-12-02T*, bench_presets-2026-12-02T*)."""
+    if mode not in CPU_CONV_MODES:
+        raise ValueError(f"cpu-conv must be one of {', '.join(CPU_CONV_MODES)}, not {mode!r}")
+    if mode != "auto":
+        return mode
+    return "matmul" if "amx_bf16" in (cpu_flags() or set()) else "onednn"
+
+
 class Conv2d(nn.Conv2d):
     """nn.Conv2d that, on the CPU in bf16, computes a 3x3-style 'same' conv on a small map by matmul
     (SmallMapConv), where that is measured faster; everywhere else, or with matmul_small_maps False

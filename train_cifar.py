@@ -61,9 +61,10 @@ COMMON = dict(
     # with the highest loss under a proxy, a small fastnet trained alongside (as airbench96): it scores every
     # step's candidates and takes an SGD step of its own on the chosen ones every proxy_every steps.
     select_fraction=1.0, proxy_widths=(32, 64, 64), proxy_every=4,
-    # CPU, bf16: 3x3 convs on maps of 8x8 and smaller by matmul over the unfolded input (tb.Conv2d; measured
-    # faster there), or "onednn": PyTorch's own conv kernels everywhere. No effect on GPUs.
-    cpu_conv="matmul",
+    # CPU, bf16: "matmul": 3x3 convs on maps of 8x8 and smaller by matmul over the unfolded input (tb.Conv2d;
+    # measured faster on AMX CPUs), "onednn": PyTorch's own conv kernels everywhere, "auto": matmul where the CPU
+    # has AMX, else oneDNN (tb.resolve_cpu_conv; a run logs the one it took). No effect on GPUs.
+    cpu_conv="auto",
     # Progressive resizing: the side of the training images in each epoch (the last entry repeats; empty: 32
     # throughout). Crops and flips are drawn at 32 px and the batch is then resized (bilinear, antialiased), so
     # an epoch sees whole images at a lower resolution for ~(side/32)^2 of the FLOPs. Evaluation is at 32.
@@ -182,7 +183,6 @@ def make_config(preset=DEFAULT_PRESET, **overrides):
     return cfg
 
 
-CPU_CONV_MODES = ("matmul", "onednn")
 MIN_TRAIN_SIZE = 16  # below this the nets' three or four 2x poolings leave no map to pool
 
 
@@ -228,7 +228,7 @@ def check_config(cfg):
     need(cfg["bn_group_size"] >= 0 and cfg["sync_bn_group_size"] >= 0 and cfg["allreduce_group_size"] >= 0,
          "group sizes must be >= 0 (0: the default)")
     need(cfg["allreduce"] in ("flat", "hierarchical"), "allreduce must be flat or hierarchical")
-    need(cfg["cpu_conv"] in CPU_CONV_MODES, f"cpu-conv must be one of {', '.join(CPU_CONV_MODES)}")
+    need(cfg["cpu_conv"] in tb.CPU_CONV_MODES, f"cpu-conv must be one of {', '.join(tb.CPU_CONV_MODES)}")
     need(cfg["echo"] in pipeline.ECHO_MODES, f"echo must be one of {', '.join(pipeline.ECHO_MODES)}")
     need(cfg["echo_factor"] >= 1 and cfg["echo_shuffle_buffer"] >= 0, "need echo-factor >= 1, echo-shuffle-buffer >= 0")
     need(cfg["eval_every_steps"] >= 0 and 0 <= cfg["holdout"] < 50000, "need eval-every-steps >= 0, 0 <= holdout < 50000")
@@ -277,9 +277,10 @@ def build_model(cfg, device, train_x_nhwc=None, generator=None):
         sample = torch.randperm(len(train_x_nhwc), generator=generator, device=train_x_nhwc.device)[:5000]
         unpadded = train_x_nhwc[sample, p:train_x_nhwc.shape[1] - p, p:train_x_nhwc.shape[2] - p]
         model.init_whitening(unpadded.permute(0, 3, 1, 2))
+    matmul = tb.resolve_cpu_conv(cfg["cpu_conv"]) == "matmul"
     for m in model.modules():
         if isinstance(m, tb.Conv2d):
-            m.matmul_small_maps = cfg["cpu_conv"] == "matmul"
+            m.matmul_small_maps = matmul
     return model.to(device).to(memory_format=torch.channels_last)
 
 
@@ -581,9 +582,9 @@ def checkpoint_mismatch(state, cfg, seed, precision):
         cfg, saved = dict(cfg, precision=None), dict(state["cfg"], precision=None)
     else:
         saved = state["cfg"]
-    # where to stop is not the run, and compiling changes how a step runs, not what it computes (each segment
-    # records whether it was compiled)
-    unrun = dict(stop_after_epochs=0, compile=False)
+    # where to stop is not the run, and compiling or the CPU's conv kernels change how a step runs, not what it
+    # computes (each segment records whether it was compiled, and its hardware)
+    unrun = dict(stop_after_epochs=0, compile=False, cpu_conv=None)
     cfg, saved = dict(cfg, **unrun), dict(saved, **unrun)
     # options added or removed since the checkpoint was saved are not compared: the code's own change is what
     # the run's segments record (commit per part)
@@ -842,6 +843,7 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
     checkpoint: save/resume path for a single long run (see run_once).
     Under torchrun every process calls this; only rank 0 prints and writes logs."""
     cfg = make_config(preset, **overrides)
+    cfg["cpu_conv"] = tb.resolve_cpu_conv(cfg["cpu_conv"])  # the log says which kernels ran
     # Before joining the process group: a bad combination then fails each rank on its own, none waits for another.
     check_distributed(cfg, int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ else 1)
     rank, world, local_rank = parallel.init_distributed()

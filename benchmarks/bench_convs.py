@@ -10,7 +10,8 @@ unfolded input (tb.SmallMapConv), which is the evidence for where tb.Conv2d take
 Random data of each conv's shape (layouts as in a run: channels-last, the autocast dtype); mean ± std over repeats
 after a warm-up. dgrad is skipped where a run needs none (the first conv's input is the data), wgrad where the
 weights are frozen (the whitening conv), the matmul where SmallMapConv does not apply (strided or biased convs).
-The step totals add each part's kernel as a run picks it with --cpu-conv matmul, and oneDNN's alone.
+The step totals add each part's kernel as a run with --cpu-conv matmul picks it, and oneDNN's alone (--cpu-conv
+auto, the default, takes the former on AMX CPUs and the latter elsewhere).
 Writes logs/bench_convs-*.json."""
 import argparse
 import os
@@ -126,7 +127,7 @@ def main():
         results.append(dict(conv=name, input_shape=in_shape, out_channels=module.out_channels, flops=flops,
                             seconds=t, matmul_seconds=t_mm, run_takes_matmul=takes_mm))
     print("(* the kernel a run takes with --cpu-conv matmul)")
-    for which, label in (("onednn", "oneDNN's kernels alone"), ("as_run", "as a run picks them")):
+    for which, label in (("onednn", "oneDNN's kernels alone"), ("as_run", "as --cpu-conv matmul picks them")):
         tot = totals[which]
         total = sum(tot.values())
         print(f"conv time per step, {label}: " + ", ".join(f"{k} {1e3 * v:.0f} ms ({100 * v / total:.0f}%)"

@@ -1,6 +1,7 @@
 """The matmul convolution for small maps (tb.SmallMapConv, tb.Conv2d) against PyTorch's own conv."""
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -101,7 +102,7 @@ def test_build_model_sets_the_cpu_conv_mode_and_the_flop_count_stays():
     """Both modes build the same net, count the same training FLOPs (the matmuls are the conv's sums) and train
     to the same loss within bf16 rounding."""
     losses, flops = {}, {}
-    for mode in train_cifar.CPU_CONV_MODES:
+    for mode in ("matmul", "onednn"):
         cfg = train_cifar.make_config("fast94", cpu_conv=mode, widths=(16, 32, 32))
         torch.manual_seed(0)
         model = train_cifar.build_model(cfg, torch.device("cpu"))
@@ -120,3 +121,27 @@ def test_build_model_sets_the_cpu_conv_mode_and_the_flop_count_stays():
 def test_unknown_cpu_conv_mode_is_refused():
     with pytest.raises(ValueError, match="cpu-conv must be one of"):
         train_cifar.check_config(train_cifar.make_config("fast94", cpu_conv="winograd"))
+
+
+@pytest.mark.parametrize("flags, kernels", [({"avx2", "avx512_bf16", "amx_bf16", "amx_tile"}, "matmul"),
+                                            ({"avx2", "avx512f", "avx512_bf16"}, "onednn"),
+                                            ({"avx2", "fma"}, "onednn"), (None, "onednn")])
+def test_auto_cpu_conv_takes_the_matmuls_only_on_amx_cpus(flags, kernels):
+    with mock.patch.object(tb, "cpu_flags", return_value=flags):
+        assert tb.resolve_cpu_conv("auto") == kernels
+        assert tb.resolve_cpu_conv("onednn") == "onednn" and tb.resolve_cpu_conv("matmul") == "matmul"
+        model = train_cifar.build_model(train_cifar.make_config("fast94", widths=(16, 32, 32)), torch.device("cpu"))
+    convs = [m for m in model.modules() if isinstance(m, tb.Conv2d)]
+    assert convs and all(m.matmul_small_maps == (kernels == "matmul") for m in convs)
+
+
+def test_a_run_logs_the_cpu_conv_kernels_it_took(tmp_path):
+    """--cpu-conv auto is resolved before the run, so the logged config names the kernels, not 'auto'."""
+    rng = np.random.default_rng(0)
+    data = dict(train_x=rng.integers(0, 256, (64, 32, 32, 3), dtype=np.uint8), train_y=np.arange(64) % 10,
+                test_x=rng.integers(0, 256, (32, 32, 32, 3), dtype=np.uint8), test_y=np.arange(32) % 10)
+    for flags, kernels in (({"amx_bf16"}, "matmul"), ({"avx512_bf16"}, "onednn")):
+        with mock.patch.object(tb, "cpu_flags", return_value=flags):
+            summary = train_cifar.train("fast94", data=data, device="cpu", log=lambda *a: None, log_dir=None,
+                                        widths=(8, 16, 16), batch_size=32, epochs=1, train_sizes=(), precision="fp32")
+        assert summary["config"]["cpu_conv"] == kernels
