@@ -30,6 +30,7 @@ import torch_backend as tb
 COMMON = dict(
     precision="auto", target=0.94, runs=1, seed=0, eval_every=1, momentum=0.9, nesterov=True,
     label_smoothing=0.0, bias_lr_scale=1.0, flip="random", pad=4, cutout=0, tta=0,
+    tta_confidence=0.0,  # > 0: the final evaluation's extra TTA views only for images predicted below it (tb.predict)
     whiten_bias_epochs=0, lookahead_start_epoch=-1, lookahead_every=5, lookahead_decay=0.95, lookahead_pow=3.0,
     lookahead_sync="epoch",  # copy the lookahead average into the net at every epoch end (airbench94) or the "end"
     compile=False, widths=(),
@@ -215,6 +216,7 @@ def check_config(cfg):
     need(cfg["flip"] in ("none", "random", "alternate"), "flip must be none, random or alternate")
     need(0 <= cfg["pad"] <= 16 and 0 <= cfg["cutout"] <= 32, "pad must be in 0..16 and cutout in 0..32")
     need(cfg["tta"] in (0, 1, 2), "tta must be 0 (none), 1 (mirror) or 2 (mirror + translate)")
+    need(0 <= cfg["tta_confidence"] <= 1, "tta-confidence must be in [0, 1] (0: TTA on every image)")
     need(cfg["precision"] in ("auto", "fp32", "bf16", "fp16"), "precision must be auto, fp32, bf16 or fp16")
     need(cfg["eval_every"] >= 0, "eval-every must be >= 0 (0: only at the end)")
     need(cfg["lookahead_sync"] in ("epoch", "end"), "lookahead-sync must be epoch or end")
@@ -748,7 +750,7 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
         if last or (cfg["eval_every"] and epoch % cfg["eval_every"] == 0):
             tta = cfg["tta"] if last else 0
             with evaluated_weights(ema):
-                test_acc = evaluate(model, data, precision, device, tta, rank, world)
+                test_acc = evaluate(model, data, precision, device, tta, rank, world, cfg["tta_confidence"])
             timer(include_in_total=last)  # only the final evaluation counts towards the time
         row = dict(run=run_index, epoch=epoch, lr=lr, train_loss=train_loss, train_acc=train_acc,
                    test_acc=test_acc if test_acc is not None else float("nan"), epoch_time=epoch_time,
@@ -801,10 +803,11 @@ def evaluate_during_epoch(cfg, model, data, precision, device, rank, world, time
     return False
 
 
-def evaluate(model, data, precision, device, tta, rank=0, world=1):
+def evaluate(model, data, precision, device, tta, rank=0, world=1, tta_confidence=0.0):
     """Test accuracy; with several processes each scores every world-th image and the counts are summed."""
     x, y = data["test_x"][rank::world], data["test_y"][rank::world]
-    correct = (tb.predict(model, x, precision, device, tta=tta).argmax(1) == y).sum().float()
+    logits = tb.predict(model, x, precision, device, tta=tta, tta_confidence=tta_confidence)
+    correct = (logits.argmax(1) == y).sum().float()
     if world > 1:
         torch.distributed.all_reduce(correct)
     return correct.item() / len(data["test_y"])

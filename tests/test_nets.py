@@ -90,6 +90,32 @@ def test_tta_weights_and_views():
                                tb.predict(model, x, "fp32", torch.device("cpu"), tta=0))
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_selective_tta_matches_a_per_image_choice_between_plain_and_full_tta(level):
+    """tta_confidence c: an image whose plain top softmax probability is below c gets the full TTA average, the
+    others their plain logits; checked image by image against predict without it, in float64."""
+    torch.manual_seed(0)
+    model = tb.FastNet((8, 16, 16)).double().eval()
+    for m in model.modules():  # BN statistics that are not the identity, so eval mode matters
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+    model.head.weight.data *= 40  # spread the confidences over (0.1, 1)
+    x = torch.randn(50, 3, 32, 32, dtype=torch.float64)
+    cpu = torch.device("cpu")
+    plain = tb.predict(model, x, "fp32", cpu, batch_size=7)
+    full = tb.predict(model, x, "fp32", cpu, batch_size=7, tta=level)
+    top = plain.softmax(1).amax(1)
+    c = top.median().item()
+    got = tb.predict(model, x, "fp32", cpu, batch_size=7, tta=level, tta_confidence=c)
+    unsure = top < c
+    assert 0 < unsure.sum() < len(x)
+    for i in range(len(x)):
+        torch.testing.assert_close(got[i], full[i] if unsure[i] else plain[i])
+    # at 1, every image short of certainty takes the full TTA
+    torch.testing.assert_close(tb.predict(model, x, "fp32", cpu, tta=level, tta_confidence=1.0), full)
+
+
 def test_resnet9_tricks_whitening_keeps_large_directions_and_damps_small_ones():
     """With eps, the whitened patch covariance is diag(lambda / (lambda + eps)) over the patch covariance's
     eigenvalues: ~1 where the data varies, < 1 where it barely does (float64 reference)."""

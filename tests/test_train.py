@@ -36,6 +36,8 @@ def tiny_npz(tmp_path, tiny):
     (["--precision", "fp16", "--device", "cpu"], "fp16 is for CUDA"),
     (["--batch-size", "500"], "exceeds the 200 training images"),
     (["--train-sizes", "12", "32"], "train-sizes must be whole numbers of pixels in 16..32"),
+    (["--tta-confidence", "1.5"], "tta-confidence must be in [0, 1]"),
+    (["--cpu-conv", "winograd"], "cpu-conv must be one of auto, matmul, onednn"),
 ])
 def test_bad_options_exit_2_with_one_line(tiny_npz, args, message):
     r = cli("--data", tiny_npz, "--log-dir", "", *args)

@@ -1,0 +1,104 @@
+"""What test-time augmentation gives and costs on trained nets: test accuracy and evaluation time without TTA,
+with the mirror (2 views), with mirror and translate (6 views), and with the 6 views for unsure images only
+(--tta-confidence c: images whose plain top softmax probability is below c), on the full test set.
+
+    python train_cifar.py --seed 0 --checkpoint run0.pt ...     # a finished run's checkpoint holds its net
+    python benchmarks/eval_tta.py run0.pt run1.pt [--confidences 0.5 0.7 0.9] [--repeats 3]
+
+Each checkpoint's net is evaluated as its run evaluated it (the EMA weights where it kept one), and the accuracy
+with the run's own TTA is checked against the one its run logged. Times are mean ± std over repeats after a
+warm-up. Writes logs/eval_tta-*.json."""
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import core  # noqa: E402
+import parallel  # noqa: E402
+import torch_backend as tb  # noqa: E402
+import train_cifar  # noqa: E402
+
+
+def load_trained(path, device):
+    """(cfg, precision, net as its run evaluated it, seed, logged final accuracy) from a finished run's
+    checkpoint."""
+    state = torch.load(path, map_location=device, weights_only=False)
+    if state["result"]["accuracy"] is None or state["result"].get("stopped_after_epoch"):
+        raise ValueError(f"{path} holds a run that has not finished (after epoch {state['epoch']})")
+    cfg = state["cfg"]
+    model = train_cifar.build_model(cfg, device)
+    if cfg["bn_group_size"]:
+        parallel.convert_bn(model, cfg["bn_group_size"])
+    model.load_state_dict(state["model"])
+    if state.get("ema") is not None:
+        train_cifar.WeightAverage(model).load(state["ema"])
+    return cfg, state["precision"], model, state["seed"], state["result"]["accuracy"]
+
+
+def modes(confidences):
+    """(name, tta level, tta_confidence) of every evaluation compared."""
+    return ([("plain", 0, 0.0), ("mirror", 1, 0.0), ("6 views", 2, 0.0)]
+            + [(f"6v if p<{c:g}", 2, c) for c in confidences])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("checkpoints", nargs="+")
+    p.add_argument("--data", default=None, help="CIFAR-10 (default: $CIFAR10_DATA or ./data)")
+    p.add_argument("--confidences", type=float, nargs="+", default=[0.5, 0.7, 0.9])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default=None)
+    p.add_argument("--log-dir", default="logs")
+    a = p.parse_args()
+    if not all(0 < c <= 1 for c in a.confidences):
+        p.error("confidences must be in (0, 1]")
+    missing = [c for c in a.checkpoints if not os.path.exists(c)]
+    if missing:
+        p.error(f"no such checkpoint: {', '.join(missing)}")
+    device = torch.device(a.device) if a.device else tb.default_device()
+    sync = tb.synchronizer(device)
+    raw = tb.validate(dict(tb.load_cifar10(a.data or train_cifar.default_data_path())), "data")
+    table = core.Table(["seed", "mode", "accuracy", "tta_share", "seconds", "±"], width=12)
+    results = []
+    for path in a.checkpoints:
+        try:
+            cfg, precision, model, seed, logged = load_trained(path, device)
+        except (ValueError, KeyError) as e:
+            p.error(f"{path}: {e}")
+        data = tb.to_device(raw, device, tb.DTYPES[precision], pad=cfg["pad"])
+        plain = tb.predict(model, data["test_x"], precision, device)
+        top = plain.softmax(1).amax(1)
+        for name, level, confidence in modes(a.confidences):
+            def run():
+                return train_cifar.evaluate(model, data, precision, device, level, tta_confidence=confidence)
+            run()  # warm-up
+            seconds, accuracy = [], None
+            for _ in range(a.repeats):
+                sync()
+                t = time.perf_counter()
+                accuracy = run()
+                sync()
+                seconds.append(time.perf_counter() - t)
+            share = (top < confidence).float().mean().item() if confidence else float(level > 0)
+            row = dict(checkpoint=os.path.basename(path), seed=seed, mode=name, tta=level, tta_confidence=confidence,
+                       accuracy=accuracy, tta_share=share, seconds=core.mean_std(seconds))
+            table.row(dict(row, seconds=row["seconds"][0], **{"±": row["seconds"][1]}))
+            # the run's own evaluation again: a check that this is the net the run evaluated (kernels may round
+            # a few images differently, not more)
+            if level == cfg["tta"] and confidence == cfg.get("tta_confidence", 0.0) and abs(accuracy - logged) > 1e-3:
+                sys.exit(f"error: {path}: {name} gives {accuracy:.4f} but its run logged {logged:.4f}")
+            results.append(row)
+    info = dict(hardware=tb.device_name(device), torch=torch.__version__, commit=core.git_commit(),
+                date=core.utc_timestamp(), repeats=a.repeats, results=results)
+    if a.log_dir:
+        os.makedirs(a.log_dir, exist_ok=True)
+        out = os.path.join(a.log_dir, f"eval_tta-{info['date'][:19].replace(':', '')}.json")
+        core.write_json_atomic(out, info)
+        print(f"log: {out}")
+
+
+if __name__ == "__main__":
+    main()

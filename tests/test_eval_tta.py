@@ -1,0 +1,55 @@
+"""benchmarks/eval_tta.py evaluates a finished run's net as the run did, and each TTA mode as predict does."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import torch_backend as tb
+import train_cifar
+from conftest import ROOT, synthetic
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import eval_tta  # noqa: E402
+
+CPU = torch.device("cpu")
+TINY = dict(widths=(8, 16, 16), batch_size=50, epochs=2, precision="fp32", train_sizes=(), log_dir=None,
+            log=lambda *a: None, device="cpu")
+
+
+@pytest.mark.parametrize("preset", ["fast94", "resnet9-tricks"])  # resnet9-tricks evaluates its EMA weights
+def test_eval_tta_reproduces_the_runs_own_accuracy_and_each_mode(tmp_path, preset):
+    data = synthetic(200, 100)
+    npz, ckpt = tmp_path / "tiny.npz", tmp_path / "run.pt"
+    np.savez(npz, **data)
+    kw = dict(TINY, widths=(8, 8, 8, 8), batch_size=64) if preset == "resnet9-tricks" else TINY
+    summary = train_cifar.train(preset, data=data, checkpoint=str(ckpt), **kw)
+    logs = tmp_path / "logs"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "eval_tta.py"), str(ckpt), "--data", str(npz),
+                        "--confidences", "0.3", "1", "--repeats", "1", "--log-dir", str(logs)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    rows = {row["mode"]: row for row in json.load(open(next(logs.iterdir())))["results"]}
+    assert list(rows) == [name for name, *_ in eval_tta.modes([0.3, 1.0])]
+    cfg, precision, model, seed, logged = eval_tta.load_trained(str(ckpt), CPU)
+    assert seed == 0 and logged == summary["runs"][0]["accuracy"]
+    on_device = tb.to_device(data, CPU, torch.float32, pad=cfg["pad"])
+    own = {0: "plain", 1: "mirror", 2: "6 views"}[cfg["tta"]]
+    assert rows[own]["accuracy"] == logged
+    plain = tb.predict(model, on_device["test_x"], precision, CPU)
+    want = (plain.argmax(1) == on_device["test_y"]).float().mean().item()
+    assert rows["plain"]["accuracy"] == pytest.approx(want)
+    top = plain.softmax(1).amax(1)
+    assert rows["6v if p<0.3"]["tta_share"] == pytest.approx((top < 0.3).float().mean().item())
+    assert rows["6v if p<1"]["accuracy"] == rows["6 views"]["accuracy"]
+
+
+def test_eval_tta_refuses_an_unfinished_run(tmp_path):
+    data = synthetic(200, 100)
+    ckpt = tmp_path / "run.pt"
+    train_cifar.train("fast94", data=data, checkpoint=str(ckpt), stop_after_epochs=1, **TINY)
+    with pytest.raises(ValueError, match="has not finished"):
+        eval_tta.load_trained(str(ckpt), CPU)
