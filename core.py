@@ -151,6 +151,13 @@ def utc_timestamp():
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
+def stamped_log_path(log_dir, name, timestamp):
+    """log_dir/NAME-2026-12-01T145125.json for a utc_timestamp, the folder made if missing: where a benchmark
+    writes its JSON log."""
+    os.makedirs(log_dir, exist_ok=True)
+    return os.path.join(log_dir, f"{name}-{timestamp[:19].replace(':', '')}.json")
+
+
 @functools.lru_cache(maxsize=None)
 def git_commit(directory=None):
     """The commit checked out when this process first asked, with '+dirty' when tracked files outside logs/

@@ -116,6 +116,8 @@ PRESETS = {
     # for the resizing; decay per step and the biases' and head's LR match it in this mean-loss form.
     # bf16, AMX CPU: 94.02 ± 0.17% (n=5: 94.01, 94.28, 94.09, 93.89, 93.84), 601 ± 24 s a run,
     # logs/fast94-20261202-010346-15337 (seed 0) and -012426-15601 (seeds 1-4), run as --train-sizes 24 24 24 32.
+    # bf16, AMD EPYC Zen 5 (oneDNN's convs): 93.87 ± 0.15% (n=5: 94.10, 93.73, 93.86, 93.74, 93.93), 429 ± 18 s,
+    # logs/fast94-20261202-034005-2703 and -035808-3828; with the AMX runs 93.95 ± 0.17% (n=10): at 94.0, not above.
     # 5 epochs at 24 px (0.200 PF): 93.71% (seed 0, logs/fast94-20261202-011459-15461): too far.
     # At 32 px throughout (0.284 PF), same seeds: 93.98 ± 0.10% with the small-map convs as matmuls, 696 ± 30 s
     # (logs/fast94-20261201-213319-5651), and 94.06 ± 0.08% with oneDNN's (logs/fast94-20261201-171326-25186);

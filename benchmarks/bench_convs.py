@@ -133,8 +133,7 @@ def main():
         print(f"conv time per step, {label}: " + ", ".join(f"{k} {1e3 * v:.0f} ms ({100 * v / total:.0f}%)"
                                                            for k, v in tot.items()) + f"; all {1e3 * total:.0f} ms")
     if a.log_dir:
-        os.makedirs(a.log_dir, exist_ok=True)
-        path = os.path.join(a.log_dir, f"bench_convs-{a.preset}-{info['date'][:19].replace(':', '')}.json")
+        path = core.stamped_log_path(a.log_dir, f"bench_convs-{a.preset}", info["date"])
         core.write_json_atomic(path, dict(info, results=results, seconds_per_step=totals["onednn"],
                                            seconds_per_step_as_run=totals["as_run"]))
         print(f"log: {path}")

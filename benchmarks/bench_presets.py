@@ -155,8 +155,7 @@ def main():
                        "scoring": f"{100 * r['scoring_flops_per_step'] / r['net_flops_per_step']:.1f}%",
                        "proxy PF": r["proxy_train_flops"] / 1e15})
         if a.log_dir:
-            os.makedirs(a.log_dir, exist_ok=True)
-            path = os.path.join(a.log_dir, f"flops_presets-{info['date'][:19].replace(':', '')}.json")
+            path = core.stamped_log_path(a.log_dir, "flops_presets", info["date"])
             core.write_json_atomic(path, dict(info, results=results))
             print(f"log: {path}")
         return
@@ -181,8 +180,7 @@ def main():
         if not r["losses_finite"]:
             print(f"warning: {preset}'s timed steps gave a NaN or infinite loss; this timing is of a broken step")
         if a.log_dir:  # rewritten after each preset so an interrupted benchmark keeps what it measured
-            os.makedirs(a.log_dir, exist_ok=True)
-            path = os.path.join(a.log_dir, f"bench_presets-{info['date'][:19].replace(':', '')}.json")
+            path = core.stamped_log_path(a.log_dir, "bench_presets", info["date"])
             core.write_json_atomic(path, dict(info, results=results))
     if a.log_dir:
         print(f"log: {path}")

@@ -94,10 +94,9 @@ def main():
     info = dict(hardware=tb.device_name(device), torch=torch.__version__, commit=core.git_commit(),
                 date=core.utc_timestamp(), repeats=a.repeats, results=results)
     if a.log_dir:
-        os.makedirs(a.log_dir, exist_ok=True)
-        out = os.path.join(a.log_dir, f"eval_tta-{info['date'][:19].replace(':', '')}.json")
-        core.write_json_atomic(out, info)
-        print(f"log: {out}")
+        log_path = core.stamped_log_path(a.log_dir, "eval_tta", info["date"])
+        core.write_json_atomic(log_path, info)
+        print(f"log: {log_path}")
 
 
 if __name__ == "__main__":
