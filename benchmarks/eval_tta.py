@@ -6,8 +6,8 @@ with the mirror (2 views), with mirror and translate (6 views), and with the 6 v
     python benchmarks/eval_tta.py run0.pt run1.pt [--confidences 0.5 0.7 0.9] [--repeats 3]
 
 Each checkpoint's net is evaluated as its run evaluated it (the EMA weights where it kept one), and the accuracy
-with the run's own TTA is checked against the one its run logged. Times are mean ± std over repeats after a
-warm-up. Writes logs/eval_tta-*.json."""
+with the run's own TTA is checked against the one its run logged. Times are mean ± std over repeats, after a
+plain pass over the test set that also gives each image's confidence. Writes logs/eval_tta-*.json."""
 import argparse
 import os
 import sys
@@ -74,8 +74,7 @@ def main():
         for name, level, confidence in modes(a.confidences):
             def run():
                 return train_cifar.evaluate(model, data, precision, device, level, tta_confidence=confidence)
-            run()  # warm-up
-            seconds, accuracy = [], None
+            seconds, accuracy = [], None  # the plain pass above was the warm-up
             for _ in range(a.repeats):
                 sync()
                 t = time.perf_counter()
