@@ -59,7 +59,7 @@ def test_each_epoch_trains_at_its_scheduled_size_and_evaluates_at_32(monkeypatch
 
 def test_run_flops_sum_each_steps_own_size():
     meta = torch.device("meta")
-    cfg = train_cifar.make_config("fast94", train_sizes=(20, 24, 32), precision="fp32")
+    cfg = train_cifar.make_config("fast94", epochs=8, lr_knots=(0, 8), train_sizes=(20, 24, 32), precision="fp32")
     net = train_cifar.build_model(cfg, meta)
     opt = train_cifar.make_optimizer(cfg, net)
     at = {s: train_cifar.step_flops(cfg, net, opt, meta, "fp32", cfg["batch_size"], s) for s in (20, 24, 32)}

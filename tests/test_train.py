@@ -70,7 +70,7 @@ def test_train_api_learns_and_logs_every_required_field(cifar10, tmp_path):
                 test_x=cifar10["test_x"][j], test_y=cifar10["test_y"][j])
     s = train_cifar.train("fast94", data=data, log_dir=str(tmp_path), widths=(32, 64, 64), epochs=2,
                           lr_knots=(0, 0.5, 2), lr_values=(0.3, 1.5, 0.1), batch_size=500, runs=2, target=0.3,
-                          log=lambda *a: None)
+                          train_sizes=(), log=lambda *a: None)  # one image size: FLOPs = per step x steps
     assert s["accuracy_mean"] > 0.5, s["accuracy_mean"]  # chance is 0.1; 0.66 with Muon here, 0.60 with SGD
     saved = json.loads(open(s["log_json"]).read())
     for key in ("preset", "config", "hardware", "torch", "commit", "runs", "accuracy_mean", "accuracy_std"):
