@@ -70,7 +70,7 @@ def test_run_flops_sum_each_steps_own_size():
     assert total == per_epoch * (at[20] + at[24] + 6 * at[32])
     # a run stopped 30 steps in trained one epoch at 20 and five steps at 24
     assert train_cifar.run_flops(cfg, net, opt, meta, "fp32", 50000, 30)[2] == per_epoch * at[20] + 5 * at[24]
-    plain = train_cifar.make_config("fast94", precision="fp32", train_sizes=())
+    plain = dict(cfg, train_sizes=())
     assert train_cifar.run_flops(plain, net, opt, meta, "fp32", 50000)[2] == steps * at[32]
 
 
