@@ -1,13 +1,13 @@
 """The matmul convolution for small maps (tb.SmallMapConv, tb.Conv2d) against PyTorch's own conv."""
 from unittest import mock
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 import torch_backend as tb
 import train_cifar
+from conftest import synthetic
 
 
 def reference(x, w):
@@ -137,9 +137,7 @@ def test_auto_cpu_conv_takes_the_matmuls_only_on_amx_cpus(flags, kernels):
 
 def test_a_run_logs_the_cpu_conv_kernels_it_took(tmp_path):
     """--cpu-conv auto is resolved before the run, so the logged config names the kernels, not 'auto'."""
-    rng = np.random.default_rng(0)
-    data = dict(train_x=rng.integers(0, 256, (64, 32, 32, 3), dtype=np.uint8), train_y=np.arange(64) % 10,
-                test_x=rng.integers(0, 256, (32, 32, 32, 3), dtype=np.uint8), test_y=np.arange(32) % 10)
+    data = synthetic(64, 32)
     for flags, kernels in (({"amx_bf16"}, "matmul"), ({"avx512_bf16"}, "onednn")):
         with mock.patch.object(tb, "cpu_flags", return_value=flags):
             summary = train_cifar.train("fast94", data=data, device="cpu", log=lambda *a: None, log_dir=None,
