@@ -122,7 +122,9 @@ PRESETS = {
     # (logs/fast94-20261202-034005-2703, -035808-3828; 94.02 ± 0.17% on the AMX CPU, logs/fast94-20261202-010346-
     # 15337 and -012426-15601: 93.95 over the ten, at 94.0 rather than above it); 9 epochs, 20 px then 3 at 24
     # (0.246 PF): 93.98 ± 0.11% (logs/fast94-20261202-043035-5697 ...-050222-6486). Seed by seed this form is
-    # +0.23 ± 0.08 and +0.12 ± 0.02 points above them (mean ± standard error).
+    # +0.23 ± 0.08 and +0.12 ± 0.02 points above them (mean ± standard error). One 32 px epoch fewer and one
+    # 24 px more (0.248 PF, under the 0.25 stretch): 93.98 ± 0.18% (logs/fast94-20261202-065316-14085), -0.12 ±
+    # 0.09 per seed; 20, 20, 24 x4, 28, 28, 32, 32 px (0.224 PF): 93.62% (seed 0, logs/fast94-20261202-062030-13630).
     # Older forms, AMX CPU: 5 of 8 epochs at 24 px (0.200 PF): 93.71% (seed 0, logs/fast94-20261202-011459-15461).
     # 8 epochs at 32 px (0.284 PF): 93.98 ± 0.10% with the small-map convs as matmuls
     # (logs/fast94-20261201-213319-5651), and 94.06 ± 0.08% with oneDNN's (logs/fast94-20261201-171326-25186).
