@@ -512,10 +512,12 @@ class PreActBlock(nn.Module):
 
 
 class ConcatPool(nn.Module):
-    """Global average and max pooling side by side: (N, C, H, W) -> (N, 2C)."""
+    """Global average and max pooling side by side: (N, C, H, W) -> (N, 2C). The max is adaptive_max_pool2d,
+    not amax: torch 2.13's inductor (CPU) compiles amax's backward after a BN or a residual sum in bf16 into NaN
+    gradients (tests/test_train.py checks the compiled net's gradients)."""
 
     def forward(self, x):
-        return torch.cat([x.mean((2, 3)), x.amax((2, 3))], dim=1)
+        return torch.cat([x.mean((2, 3)), F.adaptive_max_pool2d(x, 1).flatten(1)], dim=1)
 
 
 def preact_resnet18(prep_bn_relu=False, widths=(64, 128, 256, 256)):
