@@ -129,6 +129,16 @@ class BatchStream:
         self.pos += bs
         return self.items[sl], {k: v[sl] for k, v in self.aug.items()}
 
+    def next_chosen_batch(self, scores, keep, lo=0, hi=None):
+        """Data selection by a score per example (train_cifar's loss history): of the next global batch of
+        candidates, the `keep` with the highest scores[index]; the rest are dropped before augmentation. Returns
+        images, labels and indices of rows lo:hi of the chosen batch (a process's slice under torchrun)."""
+        idx, aug = self.next_indices()
+        chosen = scores[idx].topk(keep, sorted=False).indices[lo:hi]
+        idx = idx[chosen]
+        x = tb.augment(self.data["train_x"], idx, {k: v[chosen] for k, v in aug.items()}, cutout=self.cfg["cutout"])
+        return x, self.data["train_y"][idx], idx
+
     def next_batch(self, lo=0, hi=None):
         """Images and labels of rows lo:hi of the next global batch (a process's slice under torchrun)."""
         idx, aug = self.next_indices()

@@ -61,7 +61,9 @@ COMMON = dict(
     # Data selection: each step draws batch_size / select_fraction candidates and trains on the batch_size of them
     # with the highest loss under a proxy, a small fastnet trained alongside (as airbench96): it scores every
     # step's candidates and takes an SGD step of its own on the chosen ones every proxy_every steps.
-    select_fraction=1.0, proxy_widths=(32, 64, 64), proxy_every=4,
+    # select_by "loss": no proxy; each candidate is scored by the net's own loss on it the last time it was
+    # trained on (never-trained ones first), so scoring costs nothing and the dropped ones are never augmented.
+    select_fraction=1.0, select_by="proxy", proxy_widths=(32, 64, 64), proxy_every=4,
     # CPU, bf16: "matmul": 3x3 convs on maps of 8x8 and smaller by matmul over the unfolded input (tb.Conv2d;
     # measured faster on AMX CPUs), "onednn": PyTorch's own conv kernels everywhere, "auto": matmul where the CPU
     # has AMX, else oneDNN (tb.resolve_cpu_conv; a run logs the one it took). No effect on GPUs.
@@ -207,8 +209,11 @@ def check_config(cfg):
     need(0 <= cfg["bn_momentum"] <= 1 and (cfg["bn_momentum"] == COMMON["bn_momentum"] or cfg["net"] == "fastnet"),
          "bn-momentum must be in [0, 1] and applies to net fastnet only")
     need(0 < cfg["select_fraction"] <= 1, f"select-fraction must be in (0, 1], got {cfg['select_fraction']}")
-    need(cfg["select_fraction"] == 1 or (cfg["proxy_every"] >= 1 and len(cfg["proxy_widths"]) == 3),
+    need(cfg["select_by"] in ("proxy", "loss"), "select-by must be proxy or loss")
+    need(not uses_proxy(cfg) or (cfg["proxy_every"] >= 1 and len(cfg["proxy_widths"]) == 3),
          "select-fraction below 1 needs a proxy: proxy-every >= 1 and three proxy-widths")
+    need(cfg["select_fraction"] == 1 or cfg["select_by"] == "proxy" or cfg["pipeline"] == "device",
+         "select-by loss needs pipeline device")
     need(cfg["ema_every"] >= 0 and 0 <= cfg["ema_decay"] < 1, "need ema-every >= 0 and ema-decay in [0, 1)")
     need(cfg["epochs"] > 0, f"epochs must be positive, got {cfg['epochs']}")
     need(int(cfg["batch_size"]) == cfg["batch_size"] and cfg["batch_size"] > 0,
@@ -454,6 +459,28 @@ def candidate_batch_size(cfg):
     return round(cfg["batch_size"] / cfg["select_fraction"])
 
 
+def uses_proxy(cfg):
+    return cfg["select_fraction"] < 1 and cfg["select_by"] == "proxy"
+
+
+def uses_loss_history(cfg):
+    return cfg["select_fraction"] < 1 and cfg["select_by"] == "loss"
+
+
+def record_losses(history, idx, out, y, label_smoothing, world):
+    """Data selection by loss history: store each trained example's loss (the step's own forward pass, before
+    its update) under its index. Under torchrun every process stores the whole global batch's, so all hold the
+    same history and choose the same candidates."""
+    losses = F.cross_entropy(out.detach().float(), y, reduction="none", label_smoothing=label_smoothing)
+    if world > 1:
+        gathered_idx, gathered = [torch.empty_like(idx) for _ in range(world)], [torch.empty_like(losses)
+                                                                                 for _ in range(world)]
+        torch.distributed.all_gather(gathered_idx, idx)
+        torch.distributed.all_gather(gathered, losses)
+        idx, losses = torch.cat(gathered_idx), torch.cat(gathered)
+    history[idx] = losses
+
+
 def steps_per_epoch(cfg, n_train):
     return n_train // candidate_batch_size(cfg)
 
@@ -561,7 +588,7 @@ def run_flops(cfg, model, opt, device, precision, n_train, steps_done=None):
     through the candidates' forward and its own update."""
     sizes = step_sizes(cfg, n_train)
     steps = len(sizes)
-    proxy = Proxy(cfg, None, None, device, precision) if cfg["select_fraction"] < 1 else None
+    proxy = Proxy(cfg, None, None, device, precision) if uses_proxy(cfg) else None
     per_size, proxy_training = {}, {}
     for size in set(sizes):
         per_size[size] = step_flops(cfg, model, opt, device, precision, cfg["batch_size"], size)
@@ -652,9 +679,12 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
         why = checkpoint_mismatch(state, cfg, seed, precision)
         if why:
             raise ValueError(f"checkpoint {checkpoint} {why}")
-    proxy = Proxy(cfg, data, gen, device, precision) if cfg["select_fraction"] < 1 else None  # timed
+    proxy = Proxy(cfg, data, gen, device, precision) if uses_proxy(cfg) else None  # timed
     if proxy is not None and state is not None:
         proxy.load_state_dict(state["proxy"])
+    history = None  # select_by loss: each example's loss when last trained on (inf: never yet)
+    if uses_loss_history(cfg):
+        history = state["history"] if state is not None else torch.full((n_train,), math.inf, device=device)
     stream_cfg = dict(cfg, batch_size=candidate_batch_size(cfg))
     stream = (pipeline.LoaderStream if cfg["pipeline"] == "loader" else pipeline.BatchStream)(data, stream_cfg, gen,
                                                                                                device)
@@ -711,11 +741,17 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
                 break
             lr = lr_at(step / per_epoch)
             set_lr(opt, lr)
-            x, y = stream.next_batch(rank * local_candidates, (rank + 1) * local_candidates)  # this process's slice
-            x = tb.resize_images(x, size)
-            if proxy is not None:
-                x, y = proxy.select(x, y, local_bs, lr, train=step % cfg["proxy_every"] == 0)
+            if history is not None:  # the global batch's choice, then this process's slice of it
+                x, y, idx = stream.next_chosen_batch(history, bs, rank * local_bs, (rank + 1) * local_bs)
+                x = tb.resize_images(x, size)
+            else:
+                x, y = stream.next_batch(rank * local_candidates, (rank + 1) * local_candidates)  # its slice
+                x = tb.resize_images(x, size)
+                if proxy is not None:
+                    x, y = proxy.select(x, y, local_bs, lr, train=step % cfg["proxy_every"] == 0)
             out, loss = train_step(cfg, step_fn, opt, x, y, precision, device, scaler)
+            if history is not None:
+                record_losses(history, idx, out, y, cfg["label_smoothing"], world)
             step += 1
             loss_sum += loss.detach() * len(y)
             correct += (out.detach().argmax(1) == y).sum()
@@ -781,7 +817,7 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
             torch.save(dict(cfg=cfg, seed=seed, precision=precision, model=model.state_dict(), opt=opt.state_dict(),
                             scaler=scaler.state_dict(), lookahead=lookahead.avg if lookahead else None,
                             ema=ema.avg if ema is not None else None,
-                            proxy=proxy.state_dict() if proxy is not None else None,
+                            proxy=proxy.state_dict() if proxy is not None else None, history=history,
                             gen=gen.get_state(), stream=stream.state_dict(), step=step, epoch=epoch,
                             # a run stopped early goes on later without its final evaluation's time
                             timer_total=trained if truncated else timer.total, result=result), tmp)

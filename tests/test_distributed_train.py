@@ -130,3 +130,20 @@ def test_data_selection_runs_under_torchrun(tiny_npz, tmp_path):
     assert two.returncode == 0, two.stderr[-2000:]
     s = summary(tmp_path)
     assert s["world_size"] == 2 and s["train_steps"] == 400 // 80 and s["runs"][0]["accuracy"] is not None
+
+
+def test_loss_history_selection_under_torchrun_equals_one_process(tiny_npz, tmp_path):
+    """Every process stores the whole global batch's losses, so all choose as one process would: with BN over
+    the world the two-process run's losses match the single-process run's, epoch 2 (chosen by history) too."""
+    args = ["--preset", "fast94", "--widths", "8", "8", "8", "--batch-size", "40", "--epochs", "2",
+            "--select-fraction", "0.5", "--select-by", "loss", "--train-sizes", "32", "--lr-values", "0.05", "0",
+            "--precision", "fp32", "--device", "cpu", "--data", tiny_npz]
+    one = subprocess.run([sys.executable, SCRIPT, "--log-dir", str(tmp_path / "one"), *args],
+                         capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = torchrun(2, "--log-dir", str(tmp_path / "two"), "--sync-bn-group-size", "2", *args)
+    assert two.returncode == 0, two.stderr[-2000:]
+    a, b = summary(tmp_path / "one"), summary(tmp_path / "two")
+    assert a["train_steps"] == b["train_steps"] == 2 * (400 // 80)
+    losses = [[e["train_loss"] for e in s["runs"][0]["epochs"]] for s in (a, b)]
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)

@@ -191,3 +191,76 @@ def test_command_line_runs_data_selection_and_logs_the_proxy_flops(tmp_path):
     assert run["accuracy"] is not None and summary["train_steps"] == 2 * (400 // 100)
     without_proxy = summary["train_flops_per_step"] * summary["train_steps"]
     assert run["train_flops"] == summary["train_flops_per_run"] > without_proxy
+
+
+# Data selection by loss history (select_by "loss"): no proxy, each example scored by the loss it last had.
+
+def test_next_chosen_batch_keeps_the_highest_scored_candidates_augmented_as_the_whole_batch_would_be():
+    data = tinted(300, 10)
+    cfg = train_cifar.make_config("fast94", batch_size=60, select_fraction=0.5, select_by="loss", precision="fp32")
+    on_device = tb.to_device(tb.validate(data, "tiny"), CPU, torch.float32, pad=cfg["pad"])
+    stream_cfg = dict(cfg, batch_size=120)
+    chooser = train_cifar.pipeline.BatchStream(on_device, stream_cfg, torch.Generator().manual_seed(3), CPU)
+    twin = train_cifar.pipeline.BatchStream(on_device, stream_cfg, torch.Generator().manual_seed(3), CPU)
+    scores = torch.rand(300, generator=torch.Generator().manual_seed(4))
+    scores[::7] = math.inf  # never trained on: first in line
+    for _ in range(5):  # across a pass boundary (2 batches a pass), where the alternating flips change
+        idx, aug = twin.next_indices()
+        whole = tb.augment(on_device["train_x"], idx, aug)
+        x, y, chosen = chooser.next_chosen_batch(scores, 60)
+        assert sorted(chosen.tolist()) == sorted(idx[scores[idx].argsort(descending=True)[:60]].tolist())
+        rows = [int((idx == i).nonzero()) for i in chosen]
+        torch.testing.assert_close(x, whole[rows], rtol=0, atol=0)
+        assert torch.equal(y, on_device["train_y"][chosen])
+    # a process's slice (torchrun) is that rows' part of the same choice
+    idx, aug = twin.next_indices()
+    x, y, chosen = chooser.next_chosen_batch(scores, 60, 30, 60)
+    full = scores[idx].topk(60, sorted=False).indices[30:60]
+    assert torch.equal(chosen, idx[full]) and len(x) == 30
+
+
+def test_record_losses_stores_each_examples_label_smoothed_loss_under_its_index():
+    torch.manual_seed(0)
+    history = torch.full((50,), math.inf)
+    idx = torch.tensor([3, 17, 41, 8])
+    out, y = torch.randn(4, 10).to(torch.bfloat16), torch.tensor([1, 9, 0, 4])
+    train_cifar.record_losses(history, idx, out, y, 0.2, world=1)
+    logp = torch.log_softmax(out.double(), 1)
+    ref = -(0.8 * logp.gather(1, y[:, None])[:, 0] + 0.2 * logp.mean(1))
+    torch.testing.assert_close(history[idx].double(), ref, rtol=1e-6, atol=1e-6)
+    others = torch.ones(50, dtype=torch.bool)
+    others[idx] = False
+    assert torch.isinf(history[others]).all()
+
+
+def test_loss_history_trains_the_never_trained_first_and_counts_no_scoring_flops(tmp_path):
+    """f = 0.5: the first epoch trains on exactly half the examples (all start untrained); in the second the
+    untrained half goes first, so nearly all have been trained on (random choice: about 75%)."""
+    data = tinted(640, 100)
+    cfg = train_cifar.make_config("fast94", widths=(8, 16, 16), batch_size=32, epochs=2, select_fraction=0.5,
+                                  select_by="loss", train_sizes=(), precision="fp32")
+    on_device = tb.to_device(tb.validate(data, "tiny"), CPU, torch.float32, pad=cfg["pad"])
+    seen = []
+    ckpt = str(tmp_path / "run.pt")
+
+    def after_epoch(row):
+        seen.append(torch.isfinite(torch.load(ckpt, weights_only=False)["history"]).sum().item()
+                    if os.path.exists(ckpt) else None)
+    result = train_cifar.run_once(cfg, on_device, 0, 0, CPU, "fp32", log=lambda *a: None, checkpoint=ckpt,
+                                  on_epoch=after_epoch)
+    history = torch.load(ckpt, weights_only=False)["history"]
+    assert seen[1] == 10 * 32  # epoch 1's checkpoint: 10 steps of 32 distinct examples
+    assert torch.isfinite(history).sum() >= 0.9 * 640, torch.isfinite(history).sum()
+    assert history[torch.isfinite(history)].min() > 0 and result["accuracy"] is not None
+    net = train_cifar.build_model(cfg, CPU)
+    per_step, steps, total = train_cifar.run_flops(cfg, net, train_cifar.make_optimizer(cfg, net), CPU, "fp32", 640)
+    plain = dict(cfg, select_fraction=1.0)
+    assert steps == 2 * 640 // 64 and total == steps * per_step
+    assert per_step == train_cifar.run_flops(plain, net, train_cifar.make_optimizer(plain, net), CPU, "fp32", 640)[0]
+
+
+def test_loss_history_needs_the_device_pipeline():
+    with pytest.raises(ValueError, match="select-by loss needs pipeline device"):
+        train_cifar.make_config("fast94", select_fraction=0.7, select_by="loss", pipeline="loader")
+    with pytest.raises(ValueError, match="select-by must be proxy or loss"):
+        train_cifar.make_config("fast94", select_fraction=0.7, select_by="random")

@@ -91,6 +91,8 @@ def test_train_api_learns_and_logs_every_required_field(cifar10, tmp_path):
     ("resnet9", TINY), ("resnet9-tricks", dict(TINY, batch_size=64)),
     # data selection: the proxy and its optimizer come back from the checkpoint
     ("fast96", dict(TINY, widths=(8, 16, 16), proxy_widths=(4, 8, 8))),
+    # data selection by loss history: the per-example losses come back from the checkpoint
+    ("fast94", dict(TINY, widths=(8, 16, 16), select_fraction=0.5, select_by="loss", train_sizes=())),
 ])
 def test_resumed_run_equals_uninterrupted_run(tmp_path, preset, options):
     data = synthetic(400, 100)
