@@ -62,9 +62,29 @@ def load_summary(path):
     return summary
 
 
-def curves(summary, x="epoch"):
+RUN_KEYS = ("seed", "runs")  # differ between invocations of one configuration
+
+
+def config_differences(summaries):
+    """Per summary, its settings of the config keys on which the summaries differ (seed and runs aside; keys
+    an older log lacks are not compared), as "key=value" strings: what tells their curves apart."""
+    def same_numbers(v):  # 10 and 10.0 (preset against command line) are one setting
+        if isinstance(v, (list, tuple)):
+            return [same_numbers(u) for u in v]
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+    configs = [{k: same_numbers(v) for k, v in s.get("config", {}).items()} for s in summaries]
+    shared = set.intersection(*(set(c) for c in configs)) - set(RUN_KEYS) if configs else set()
+    differ = sorted(k for k in shared if len({json.dumps(c[k], sort_keys=True) for c in configs}) > 1)
+    def show(v):
+        if isinstance(v, list):
+            return "[" + ", ".join(show(u) for u in v) + "]"
+        return f"{v:g}" if isinstance(v, float) else json.dumps(v)
+    return [", ".join(f"{k}={show(c[k])}" for k in differ) for c in configs]
+
+
+def curves(summary, x="epoch", tag=""):
     """One (label, xs, test accuracies, training losses) per run; epochs that were not evaluated are skipped
-    for accuracy (NaN) but keep their loss."""
+    for accuracy (NaN) but keep their loss. tag, if any, goes into each label (config_differences)."""
     if x not in ("epoch", "time"):
         raise LogError(f"x must be epoch or time, not {x!r}")
     out = []
@@ -74,7 +94,7 @@ def curves(summary, x="epoch"):
             continue
         xs = [r["epoch"] if x == "epoch" else r["total_time"] for r in rows]
         acc = [r["test_acc"] if r["test_acc"] is not None else math.nan for r in rows]
-        label = f"{summary['preset']} seed {run['seed']}"
+        label = f"{summary['preset']}{f' [{tag}]' if tag else ''} seed {run['seed']}"
         if run.get("accuracy") is not None:
             label += f": {100 * run['accuracy']:.2f}%"
         out.append((label, xs, acc, [r["train_loss"] for r in rows]))
@@ -88,13 +108,19 @@ def plot(summaries, out, x="epoch", references=()):
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
     targets, lowest = set(), 100.0
     n = 0
-    for s in summaries:
+    tags = config_differences(summaries)
+    colours = {}  # with several configurations, one colour per configuration, one line style per seed
+    styles = ["-", "--", ":", "-."]
+    for s, tag in zip(summaries, tags):
         targets.add(s["config"]["target"])
-        for label, xs, acc, loss in curves(s, x):
+        for i, (label, xs, acc, loss) in enumerate(curves(s, x, tag)):
             pts = [(a, b) for a, b in zip(xs, acc) if not math.isnan(b)]
             lowest = min([lowest] + [100 * b for _, b in pts])
-            ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o", ms=3, label=label)
-            ax2.plot(xs, loss, marker="o", ms=3, label=label)
+            look = dict(marker="o", ms=3, label=label)
+            if any(tags):
+                look.update(color=colours.setdefault(tag, f"C{len(colours) % 10}"), ls=styles[i % len(styles)])
+            ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], **look)
+            ax2.plot(xs, loss, **look)
             n += 1
     if not n:
         raise LogError("none of the logs has a run with per-epoch rows")

@@ -127,6 +127,10 @@ PRESETS = {
     # +0.23 ± 0.08 and +0.12 ± 0.02 points above them (mean ± standard error). One 32 px epoch fewer and one
     # 24 px more (0.248 PF, under the 0.25 stretch): 93.98 ± 0.18% (logs/fast94-20261202-065316-14085), -0.12 ±
     # 0.09 per seed; 20, 20, 24 x4, 28, 28, 32, 32 px (0.224 PF): 93.62% (seed 0, logs/fast94-20261202-062030-13630).
+    # Data selection (the 2,000 of 2,857 candidates a 32/64/64 proxy finds hardest, 0.197 PF): 93.97 ± 0.13%
+    # (logs/fast94-20261202-083239-23290), 383 ± 14 s, -0.13 ± 0.06 per seed; with an 11th epoch (0.224 PF) the
+    # same 93.97 ± 0.15% (logs/fast94-20261202-092212-24306); scored by the net's own last loss instead (0.180 PF)
+    # 93.73 and 93.62% on seeds 0 and 3 (logs/fast94-20261202-090909-23942, -090910-23943): not adopted.
     # Older forms, AMX CPU: 5 of 8 epochs at 24 px (0.200 PF): 93.71% (seed 0, logs/fast94-20261202-011459-15461).
     # 8 epochs at 32 px (0.284 PF): 93.98 ± 0.10% with the small-map convs as matmuls
     # (logs/fast94-20261201-213319-5651), and 94.06 ± 0.08% with oneDNN's (logs/fast94-20261201-171326-25186).

@@ -108,3 +108,19 @@ def test_published_reference_curves_load():
         label, epochs, acc = plot_runs.load_reference(os.path.join(REPO, "logs", "reference", f"{name}.tsv"))
         first = next(e for e, a in zip(epochs, acc) if a >= 0.94)
         assert label == name and first == epoch and acc[epochs.index(epoch)] == pytest.approx(0.9408)
+
+
+def test_logs_of_different_configurations_are_told_apart_in_the_labels(logged):
+    summary = plot_runs.load_summary(logged[0])
+    other = json.loads(json.dumps(summary))
+    other["config"].update(epochs=4, seed=5, runs=1)  # seed and runs alone do not make another configuration
+    older = json.loads(json.dumps(summary))
+    del older["config"]["epochs"]  # a log from before an option existed: not compared on it
+    assert plot_runs.config_differences([summary, other]) == ["epochs=3", "epochs=4"]
+    assert plot_runs.config_differences([summary, dict(summary)]) == ["", ""]
+    as_float = json.loads(json.dumps(summary))
+    as_float["config"]["epochs"] = 3.0  # --epochs on the command line is a float
+    assert plot_runs.config_differences([summary, as_float]) == ["", ""]
+    assert plot_runs.config_differences([summary, other, older]) == ["", "", ""]
+    labels = [c[0] for c in plot_runs.curves(other, "epoch", "epochs=4")]
+    assert labels[0].startswith("resnet9 [epochs=4] seed 0")
