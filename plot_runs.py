@@ -75,6 +75,7 @@ def config_differences(summaries):
     configs = [{k: same_numbers(v) for k, v in s.get("config", {}).items()} for s in summaries]
     shared = set.intersection(*(set(c) for c in configs)) - set(RUN_KEYS) if configs else set()
     differ = sorted(k for k in shared if len({json.dumps(c[k], sort_keys=True) for c in configs}) > 1)
+
     def show(v):
         if isinstance(v, list):
             return "[" + ", ".join(show(u) for u in v) + "]"
@@ -109,7 +110,7 @@ def plot(summaries, out, x="epoch", references=()):
     targets, lowest = set(), 100.0
     n = 0
     tags = config_differences(summaries)
-    colours = {}  # with several configurations, one colour per configuration, one line style per seed
+    colours = {}  # with several configurations, one colour per configuration, a line style per run of a log
     styles = ["-", "--", ":", "-."]
     for s, tag in zip(summaries, tags):
         targets.add(s["config"]["target"])
