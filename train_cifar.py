@@ -119,7 +119,8 @@ PRESETS = {
     # Muon record (94.01%, n=200, 0.29 PF on an A100, 8 epochs at 32 px) but for the resizing and the schedule's
     # length; decay per step and the biases' and head's LR match it in this mean-loss form.
     # bf16, AMD EPYC Zen 5 (oneDNN's convs): 94.10 ± 0.08% (n=5: 94.16, 94.11, 94.03, 94.19, 94.01; all reach 94%),
-    # 449 ± 24 s, logs/fast94-20261202-051400-6620, -052224-7258, -053112-7322, -053948-7400, -054730-7462.
+    # 449 ± 24 s, logs/fast94-20261202-051400-6620, -052224-7258, -053112-7322, -053948-7400, -054730-7462;
+    # seeds 5-8 (93.96, 94.11, 94.29, 94.10, logs/fast94-20261202-100741-26284): 94.11 ± 0.10% over n=9.
     # Same machine and seeds, the forms before: 8 epochs, the first 3 at 24 px (0.234 PF): 93.87 ± 0.15%
     # (logs/fast94-20261202-034005-2703, -035808-3828; 94.02 ± 0.17% on the AMX CPU, logs/fast94-20261202-010346-
     # 15337 and -012426-15601: 93.95 over the ten, at 94.0 rather than above it); 9 epochs, 20 px then 3 at 24
