@@ -135,17 +135,17 @@ class BatchStream:
         images, labels and indices of rows lo:hi of the chosen batch (a process's slice under torchrun)."""
         idx, aug = self.next_indices()
         chosen = scores[idx].topk(keep, sorted=False).indices[lo:hi]
-        idx = idx[chosen]
-        x = tb.augment(self.data["train_x"], idx, {k: v[chosen] for k, v in aug.items()}, cutout=self.cfg["cutout"])
-        return x, self.data["train_y"][idx], idx
+        return *self._augmented(idx[chosen], {k: v[chosen] for k, v in aug.items()}), idx[chosen]
+
+    def _augmented(self, idx, aug):
+        """Images and labels of these examples under these augmentation parameters."""
+        return tb.augment(self.data["train_x"], idx, aug, cutout=self.cfg["cutout"]), self.data["train_y"][idx]
 
     def next_batch(self, lo=0, hi=None):
         """Images and labels of rows lo:hi of the next global batch (a process's slice under torchrun)."""
         idx, aug = self.next_indices()
         sl = slice(lo, hi)
-        idx = idx[sl]
-        x = tb.augment(self.data["train_x"], idx, {k: v[sl] for k, v in aug.items()}, cutout=self.cfg["cutout"])
-        return x, self.data["train_y"][idx]
+        return self._augmented(idx[sl], {k: v[sl] for k, v in aug.items()})
 
     @property
     def fresh_read(self):

@@ -217,7 +217,7 @@ def check_config(cfg):
     need(cfg["select_by"] in ("proxy", "loss"), "select-by must be proxy or loss")
     need(not uses_proxy(cfg) or (cfg["proxy_every"] >= 1 and len(cfg["proxy_widths"]) == 3),
          "select-fraction below 1 needs a proxy: proxy-every >= 1 and three proxy-widths")
-    need(cfg["select_fraction"] == 1 or cfg["select_by"] == "proxy" or cfg["pipeline"] == "device",
+    need(not uses_loss_history(cfg) or cfg["pipeline"] == "device",
          "select-by loss needs pipeline device")
     need(cfg["ema_every"] >= 0 and 0 <= cfg["ema_decay"] < 1, "need ema-every >= 0 and ema-decay in [0, 1)")
     need(cfg["epochs"] > 0, f"epochs must be positive, got {cfg['epochs']}")
@@ -748,12 +748,11 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
             set_lr(opt, lr)
             if history is not None:  # the global batch's choice, then this process's slice of it
                 x, y, idx = stream.next_chosen_batch(history, bs, rank * local_bs, (rank + 1) * local_bs)
-                x = tb.resize_images(x, size)
             else:
                 x, y = stream.next_batch(rank * local_candidates, (rank + 1) * local_candidates)  # its slice
-                x = tb.resize_images(x, size)
-                if proxy is not None:
-                    x, y = proxy.select(x, y, local_bs, lr, train=step % cfg["proxy_every"] == 0)
+            x = tb.resize_images(x, size)
+            if proxy is not None:
+                x, y = proxy.select(x, y, local_bs, lr, train=step % cfg["proxy_every"] == 0)
             out, loss = train_step(cfg, step_fn, opt, x, y, precision, device, scaler)
             if history is not None:
                 record_losses(history, idx, out, y, cfg["label_smoothing"], world)
