@@ -132,6 +132,9 @@ PRESETS = {
     # (logs/fast94-20261202-083239-23290), 383 ± 14 s, -0.13 ± 0.06 per seed; with an 11th epoch (0.224 PF) the
     # same 93.97 ± 0.15% (logs/fast94-20261202-092212-24306); scored by the net's own last loss instead (0.180 PF)
     # 93.73 and 93.62% on seeds 0 and 3 (logs/fast94-20261202-090909-23942, -090910-23943): not adopted.
+    # Batch 1000 (8 epochs, 20, 24 x3, 32 px; 0.212 PF; SGD LR 0.8), seed 0, by Muon LR per step x0.5 / x0.71 /
+    # x1: 93.61 / 93.86 / 93.57% (logs/fast94-20261202-111139-31732, -111315-31858, -113107-32016): no better
+    # for its FLOPs than batch 2000, though a CPU runs it at nearly the same rate.
     # Older forms, AMX CPU: 5 of 8 epochs at 24 px (0.200 PF): 93.71% (seed 0, logs/fast94-20261202-011459-15461).
     # 8 epochs at 32 px (0.284 PF): 93.98 ± 0.10% with the small-map convs as matmuls
     # (logs/fast94-20261201-213319-5651), and 94.06 ± 0.08% with oneDNN's (logs/fast94-20261201-171326-25186).
