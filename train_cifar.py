@@ -120,14 +120,15 @@ PRESETS = {
     # length; decay per step and the biases' and head's LR match it in this mean-loss form.
     # bf16, AMD EPYC Zen 5 (oneDNN's convs): 94.10 ± 0.08% (n=5: 94.16, 94.11, 94.03, 94.19, 94.01; all reach 94%),
     # 449 ± 24 s, logs/fast94-20261202-051400-6620, -052224-7258, -053112-7322, -053948-7400, -054730-7462;
-    # seeds 5-8 (93.96, 94.11, 94.29, 94.10, logs/fast94-20261202-100741-26284): 94.11 ± 0.10% over n=9.
+    # seeds 5-8 (93.96, 94.11, 94.29, 94.10, logs/fast94-20261202-100741-26284) and 9-11 (94.23, 94.07, 94.18,
+    # logs/fast94-20261202-124557-1360): 94.12 ± 0.10% over n=12.
     # Same machine and seeds, the forms before: 8 epochs, the first 3 at 24 px (0.234 PF): 93.87 ± 0.15%
     # (logs/fast94-20261202-034005-2703, -035808-3828; 94.02 ± 0.17% on the AMX CPU, logs/fast94-20261202-010346-
     # 15337 and -012426-15601: 93.95 over the ten, at 94.0 rather than above it); 9 epochs, 20 px then 3 at 24
     # (0.246 PF): 93.98 ± 0.11% (logs/fast94-20261202-043035-5697 ...-050222-6486). Seed by seed this form is
     # +0.23 ± 0.08 and +0.12 ± 0.02 points above them (mean ± standard error). One 32 px epoch fewer and one
     # 24 px more (0.248 PF, under the 0.25 stretch): 93.98 ± 0.13% over n=10 (logs/fast94-20261202-065316-14085,
-    # -115504-32494), -0.13 ± 0.06 per seed; 20, 20, 24 x4, 28, 28, 32, 32 px (0.224 PF): 93.62% (seed 0,
+    # -115504-32494), -0.14 ± 0.05 per seed; 20, 20, 24 x4, 28, 28, 32, 32 px (0.224 PF): 93.62% (seed 0,
     # logs/fast94-20261202-062030-13630).
     # Data selection (the 2,000 of 2,857 candidates a 32/64/64 proxy finds hardest, 0.197 PF): 93.97 ± 0.13%
     # (logs/fast94-20261202-083239-23290), 383 ± 14 s, -0.13 ± 0.06 per seed; with an 11th epoch (0.224 PF) the
