@@ -135,7 +135,8 @@ class BatchStream:
         images, labels and indices of rows lo:hi of the chosen batch (a process's slice under torchrun)."""
         idx, aug = self.next_indices()
         chosen = scores[idx].topk(keep, sorted=False).indices[lo:hi]
-        return *self._augmented(idx[chosen], {k: v[chosen] for k, v in aug.items()}), idx[chosen]
+        idx = idx[chosen]
+        return *self._augmented(idx, {k: v[chosen] for k, v in aug.items()}), idx
 
     def _augmented(self, idx, aug):
         """Images and labels of these examples under these augmentation parameters."""
