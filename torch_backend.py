@@ -732,16 +732,35 @@ class Muon(torch.optim.Optimizer):
 # ---------------------------------------------------------------------------------------------------------------
 # Evaluation and FLOPs
 
+def shifted(x, dy, dx):
+    """x with its content moved dy pixels down and dx right (negative: up, left); the uncovered border is
+    reflect-padded, as the training crops pad."""
+    k = max(abs(dy), abs(dx))
+    if not k:
+        return x
+    h, w = x.shape[2:]
+    return F.pad(x, (k, k, k, k), mode="reflect")[:, :, k - dy:k - dy + h, k - dx:k - dx + w]
+
+
+def shifted_views(x, shifts, centre_weight):
+    """(view, weight) pairs: the image and its mirror (centre_weight between them) and the mirrored pair of each
+    (dy, dx) shift (the rest of the weight, split evenly)."""
+    views = [(x, centre_weight / 2), (x.flip(3), centre_weight / 2)]
+    for dy, dx in shifts:
+        s = shifted(x, dy, dx)
+        views += [(s, (1 - centre_weight) / (2 * len(shifts))), (s.flip(3), (1 - centre_weight) / (2 * len(shifts)))]
+    return views
+
+
 def tta_views(x, level):
     """(view, weight) pairs. 0: the image; 1: and its mirror; 2: the mirrored pair (weight 1/2 in all) and
-    the pairs shifted one pixel up-left and down-right (reflect-padded; 1/2 in all)."""
+    the pairs shifted one pixel down-right and up-left (reflect-padded; 1/2 in all). More shifts do not help
+    fast94's nets (benchmarks/eval_tta.py --view-sets)."""
     if level == 0:
         return [(x, 1.0)]
     if level == 1:
         return [(x, 0.5), (x.flip(3), 0.5)]
-    p = F.pad(x, (1, 1, 1, 1), mode="reflect")
-    shifted = [p[:, :, :-2, :-2], p[:, :, 2:, 2:]]
-    return [(x, 0.25), (x.flip(3), 0.25)] + [(v, 0.125) for s in shifted for v in (s, s.flip(3))]
+    return shifted_views(x, [(1, 1), (-1, -1)], 0.5)
 
 
 @torch.no_grad()

@@ -7,7 +7,11 @@ with the mirror (2 views), with mirror and translate (6 views), and with the 6 v
 
 Each checkpoint's net is evaluated as its run evaluated it (the EMA weights where it kept one), and the accuracy
 with the run's own TTA is checked against the one its run logged. Times are mean ± std over repeats, after a
-plain pass over the test set that also gives each image's confidence. Writes logs/eval_tta-*.json."""
+plain pass over the test set that also gives each image's confidence.
+
+--view-sets also compares sets of views beyond the 6 (more one-pixel shifts, two-pixel shifts, other weights; see
+VIEW_SETS), on every test image. Each distinct view's logits are computed once per net and each set's average is
+formed from them, so a set's seconds are the sum of its views' forward passes. Writes logs/eval_tta-*.json."""
 import argparse
 import os
 import sys
@@ -38,6 +42,54 @@ def load_trained(path, device):
     return cfg, state["precision"], model, state["seed"], state["result"]["accuracy"]
 
 
+DIAGONAL = [(1, 1), (-1, -1), (1, -1), (-1, 1)]
+AXIS = [(1, 0), (-1, 0), (0, 1), (0, -1)]
+# name -> (shifts, weight of the image and its mirror together); each shift adds a mirrored pair (tb.shifted_views).
+# "diag": one pixel along both axes, "axis": along one; "eq": every view weighted the same.
+VIEW_SETS = {
+    "6v": ([(1, 1), (-1, -1)], 0.5),  # --tta 2: the reference every other set is compared with
+    "6v equal": ([(1, 1), (-1, -1)], 1 / 3),
+    "10v diag": (DIAGONAL, 0.5),
+    "10v diag eq": (DIAGONAL, 0.2),
+    "10v axis": (AXIS, 0.5),
+    "10v diag 2px": ([(2 * dy, 2 * dx) for dy, dx in DIAGONAL], 0.5),
+    "18v": (DIAGONAL + AXIS, 0.5),
+    "18v equal": (DIAGONAL + AXIS, 1 / 9),
+    "26v +2px": (DIAGONAL + AXIS + [(2 * dy, 2 * dx) for dy, dx in DIAGONAL], 0.5),
+}
+
+
+def view_set_accuracies(model, x, y, precision, device, sync, batch_size=1000):
+    """{set name: (accuracy, seconds)} for every VIEW_SETS entry, each distinct view's logits computed once."""
+    logits, seconds = {}, {}
+    model.eval()
+    with torch.no_grad():
+        for shifts, _ in VIEW_SETS.values():
+            for dy, dx in [(0, 0)] + shifts:
+                for flip in (False, True):
+                    if (dy, dx, flip) in logits:
+                        continue
+                    sync()
+                    t = time.perf_counter()
+                    out = []
+                    for i in range(0, len(x), batch_size):
+                        v = tb.shifted(x[i:i + batch_size], dy, dx)
+                        with tb.autocast(precision, device):
+                            out.append(model(v.flip(3) if flip else v).float())
+                    logits[dy, dx, flip] = torch.cat(out)
+                    sync()
+                    seconds[dy, dx, flip] = time.perf_counter() - t
+    model.train()
+    result = {}
+    for name, (shifts, centre_weight) in VIEW_SETS.items():
+        # the same (view, weight) list predict would average, its views named by their shift and flip
+        keys = [(0, 0, False), (0, 0, True)] + [(dy, dx, flip) for dy, dx in shifts for flip in (False, True)]
+        weights = [w for _, w in tb.shifted_views(torch.zeros(1, 1, 4, 4), shifts, centre_weight)]
+        avg = sum(w * logits[k] for k, w in zip(keys, weights))
+        result[name] = ((avg.argmax(1) == y).float().mean().item(), sum(seconds[k] for k in keys))
+    return result
+
+
 def modes(confidences):
     """(name, tta level, tta_confidence) of every evaluation compared."""
     return ([("plain", 0, 0.0), ("mirror", 1, 0.0), ("6 views", 2, 0.0)]
@@ -50,6 +102,7 @@ def main():
     p.add_argument("--data", default=None, help="CIFAR-10 (default: $CIFAR10_DATA or ./data)")
     p.add_argument("--confidences", type=float, nargs="+", default=[0.5, 0.7, 0.9])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--view-sets", action="store_true", help="also compare the sets of views in VIEW_SETS")
     p.add_argument("--device", default=None)
     p.add_argument("--log-dir", default="logs")
     a = p.parse_args()
@@ -90,6 +143,30 @@ def main():
             if level == cfg["tta"] and confidence == cfg.get("tta_confidence", 0.0) and abs(accuracy - logged) > 1e-3:
                 sys.exit(f"error: {path}: {name} gives {accuracy:.4f} but its run logged {logged:.4f}")
             results.append(row)
+        if a.view_sets:
+            sets = view_set_accuracies(model, data["test_x"], data["test_y"], precision, device, sync)
+            reference = next(r["accuracy"] for r in results if r["checkpoint"] == os.path.basename(path)
+                             and r["mode"] == "6 views")
+            if abs(sets["6v"][0] - reference) > 1e-3:  # the cached views must average as predict does
+                sys.exit(f"error: {path}: the view set 6v gives {sets['6v'][0]:.4f}, "
+                         f"predict {reference:.4f}")
+            for name, (accuracy, seconds) in sets.items():
+                shifts, centre_weight = VIEW_SETS[name]
+                row = dict(checkpoint=os.path.basename(path), seed=seed, mode=name, view_set=True,
+                           views=2 + 2 * len(shifts), shifts=shifts, centre_weight=centre_weight, accuracy=accuracy,
+                           tta_share=1.0, seconds=(seconds, 0.0))
+                table.row(dict(row, seconds=seconds, **{"±": 0.0}))
+                results.append(row)
+    if a.view_sets and len(a.checkpoints) > 1:  # per net against the 6 views: mean and standard error
+        print("\nview set       views  mean acc  per net against 6v (mean ± s.e., points)")
+        def accuracies(name):
+            return torch.tensor([r["accuracy"] for r in results if r.get("view_set") and r["mode"] == name],
+                                dtype=torch.float64)
+        for name in VIEW_SETS:
+            acc = accuracies(name)
+            d = 100 * (acc - accuracies("6v"))
+            print(f"{name:14s} {2 + 2 * len(VIEW_SETS[name][0]):5d}  {100 * acc.mean():7.3f}%  "
+                  f"{d.mean():+.3f} ± {d.std() / len(d) ** 0.5:.3f}")
     info = dict(hardware=tb.device_name(device), torch=torch.__version__, commit=core.git_commit(),
                 date=core.utc_timestamp(), repeats=a.repeats, results=results)
     if a.log_dir:

@@ -53,3 +53,33 @@ def test_eval_tta_refuses_an_unfinished_run(tmp_path):
     train_cifar.train("fast94", data=data, checkpoint=str(ckpt), stop_after_epochs=1, **TINY)
     with pytest.raises(ValueError, match="has not finished"):
         eval_tta.load_trained(str(ckpt), CPU)
+
+
+def test_eval_tta_view_sets_average_each_set_as_predict_would(tmp_path):
+    """--view-sets forms each set's average from logits computed once per view; every set's accuracy must be the
+    one from averaging the net over tb.shifted_views directly."""
+    data = synthetic(200, 100)
+    npz, ckpt = tmp_path / "tiny.npz", tmp_path / "run.pt"
+    np.savez(npz, **data)
+    train_cifar.train("fast94", data=data, checkpoint=str(ckpt), **TINY)
+    logs = tmp_path / "logs"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "eval_tta.py"), str(ckpt), str(ckpt),
+                        "--data", str(npz), "--confidences", "0.5", "--repeats", "1", "--view-sets",
+                        "--log-dir", str(logs)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    results = json.load(open(next(logs.iterdir())))["results"]
+    sets = [row for row in results if row.get("view_set")]
+    assert [row["mode"] for row in sets] == 2 * list(eval_tta.VIEW_SETS)
+    assert "per net against 6v" in r.stdout
+    cfg, precision, model, *_ = eval_tta.load_trained(str(ckpt), CPU)
+    on_device = tb.to_device(data, CPU, torch.float32, pad=cfg["pad"])
+    x, y = on_device["test_x"], on_device["test_y"]
+    model.eval()
+    for row in sets[:len(eval_tta.VIEW_SETS)]:
+        shifts, centre = eval_tta.VIEW_SETS[row["mode"]]
+        with torch.no_grad():
+            logits = sum(w * model(v) for v, w in tb.shifted_views(x, shifts, centre))
+        assert row["views"] == 2 + 2 * len(shifts)
+        assert row["accuracy"] == pytest.approx((logits.argmax(1) == y).float().mean().item())
+    six = next(row for row in results if row["mode"] == "6 views")
+    assert sets[0]["mode"] == "6v" and sets[0]["accuracy"] == pytest.approx(six["accuracy"])

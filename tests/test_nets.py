@@ -149,3 +149,31 @@ def test_resnet9_tricks_has_resnet9_size_frozen_bn_scales_and_pools_before_bn():
     for b in pooled:
         assert [type(m) for m in b] == [tb.Conv2d, torch.nn.MaxPool2d, torch.nn.BatchNorm2d, torch.nn.CELU]
     assert net(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+def test_shifted_moves_content_and_reflects_the_border_as_a_per_pixel_loop():
+    x = torch.randn(2, 3, 6, 5)
+
+    def reflect(i, n):  # index into a reflect-padded axis, as F.pad's "reflect" (no edge repeat)
+        return -i if i < 0 else 2 * (n - 1) - i if i >= n else i
+    for dy, dx in [(1, 1), (-1, -1), (1, -1), (0, 1), (-2, 0), (2, 2)]:
+        want = torch.empty_like(x)
+        for i in range(6):
+            for j in range(5):
+                want[:, :, i, j] = x[:, :, reflect(i - dy, 6), reflect(j - dx, 5)]
+        torch.testing.assert_close(tb.shifted(x, dy, dx), want, rtol=0, atol=0)
+    assert tb.shifted(x, 0, 0) is x
+
+
+def test_shifted_views_weights_and_the_6_views_of_tta_2():
+    x = torch.randn(2, 3, 8, 8)
+    for shifts, centre in [([(1, 1)], 0.5), ([(1, 1), (-1, 0), (0, 2)], 0.2)]:
+        views = tb.shifted_views(x, shifts, centre)
+        assert len(views) == 2 + 2 * len(shifts) and sum(w for _, w in views) == pytest.approx(1.0)
+        assert views[0][1] + views[1][1] == pytest.approx(centre)
+    want = [x, x.flip(3), tb.shifted(x, 1, 1), tb.shifted(x, 1, 1).flip(3), tb.shifted(x, -1, -1),
+            tb.shifted(x, -1, -1).flip(3)]
+    got = tb.tta_views(x, 2)
+    assert [w for _, w in got] == [0.25, 0.25, 0.125, 0.125, 0.125, 0.125]
+    for (v, _), w in zip(got, want):
+        torch.testing.assert_close(v, w, rtol=0, atol=0)
