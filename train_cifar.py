@@ -137,6 +137,8 @@ PRESETS = {
     # Batch 1000 (8 epochs, 20, 24 x3, 32 px; 0.212 PF; SGD LR 0.8), seed 0, by Muon LR per step x0.5 / x0.71 /
     # x1: 93.61 / 93.86 / 93.57% (logs/fast94-20261202-111139-31732, -111315-31858, -113107-32016): no better
     # for its FLOPs than batch 2000, though a CPU runs it at nearly the same rate.
+    # Blocks 64/192/256 (0.202 PF): 93.76, 93.98% on seeds 0-1 (logs/fast94-20261202-135729-5796, -5797), -0.27
+    # per seed: worse than data selection at the same FLOPs.
     # Older forms, AMX CPU: 5 of 8 epochs at 24 px (0.200 PF): 93.71% (seed 0, logs/fast94-20261202-011459-15461).
     # 8 epochs at 32 px (0.284 PF): 93.98 ± 0.10% with the small-map convs as matmuls
     # (logs/fast94-20261201-213319-5651), and 94.06 ± 0.08% with oneDNN's (logs/fast94-20261201-171326-25186).

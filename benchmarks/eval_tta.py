@@ -116,6 +116,11 @@ def main():
     raw = tb.validate(dict(tb.load_cifar10(a.data or train_cifar.default_data_path())), "data")
     table = core.Table(["seed", "mode", "accuracy", "tta_share", "seconds", "±"], width=12)
     results = []
+    info = dict(hardware=tb.device_name(device), torch=torch.__version__, commit=core.git_commit(),
+                date=core.utc_timestamp(), repeats=a.repeats, results=results)
+    log_path = core.stamped_log_path(a.log_dir, "eval_tta", info["date"]) if a.log_dir else None
+    if log_path:
+        print(f"log: {log_path} (written after every net)")
     for path in a.checkpoints:
         try:
             cfg, precision, model, seed, logged = load_trained(path, device)
@@ -157,6 +162,8 @@ def main():
                            tta_share=1.0, seconds=(seconds, 0.0))
                 table.row(dict(row, seconds=seconds, **{"±": 0.0}))
                 results.append(row)
+        if log_path:  # after every net, so the nets done so far survive a crash or a stop
+            core.write_json_atomic(log_path, info)
     if a.view_sets and len(a.checkpoints) > 1:  # per net against the 6 views: mean and standard error
         print("\nview set       views  mean acc  per net against 6v (mean ± s.e., points)")
         def accuracies(name):
@@ -167,12 +174,6 @@ def main():
             d = 100 * (acc - accuracies("6v"))
             print(f"{name:14s} {2 + 2 * len(VIEW_SETS[name][0]):5d}  {100 * acc.mean():7.3f}%  "
                   f"{d.mean():+.3f} ± {d.std() / len(d) ** 0.5:.3f}")
-    info = dict(hardware=tb.device_name(device), torch=torch.__version__, commit=core.git_commit(),
-                date=core.utc_timestamp(), repeats=a.repeats, results=results)
-    if a.log_dir:
-        log_path = core.stamped_log_path(a.log_dir, "eval_tta", info["date"])
-        core.write_json_atomic(log_path, info)
-        print(f"log: {log_path}")
 
 
 if __name__ == "__main__":

@@ -83,3 +83,18 @@ def test_eval_tta_view_sets_average_each_set_as_predict_would(tmp_path):
         assert row["accuracy"] == pytest.approx((logits.argmax(1) == y).float().mean().item())
     six = next(row for row in results if row["mode"] == "6 views")
     assert sets[0]["mode"] == "6v" and sets[0]["accuracy"] == pytest.approx(six["accuracy"])
+
+
+def test_eval_tta_keeps_the_nets_done_before_a_bad_checkpoint(tmp_path):
+    data = synthetic(200, 100)
+    npz, done, unfinished = tmp_path / "tiny.npz", tmp_path / "done.pt", tmp_path / "unfinished.pt"
+    np.savez(npz, **data)
+    train_cifar.train("fast94", data=data, checkpoint=str(done), **TINY)
+    train_cifar.train("fast94", data=data, checkpoint=str(unfinished), stop_after_epochs=1, **TINY)
+    logs = tmp_path / "logs"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "eval_tta.py"), str(done), str(unfinished),
+                        "--data", str(npz), "--confidences", "0.5", "--repeats", "1", "--log-dir", str(logs)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0 and "has not finished" in r.stderr
+    results = json.load(open(next(logs.iterdir())))["results"]
+    assert {row["checkpoint"] for row in results} == {"done.pt"} and len(results) == len(eval_tta.modes([0.5]))
