@@ -742,14 +742,19 @@ def shifted(x, dy, dx):
     return F.pad(x, (k, k, k, k), mode="reflect")[:, :, k - dy:k - dy + h, k - dx:k - dx + w]
 
 
+def view_weights(shifts, centre_weight):
+    """((dy, dx, mirrored), weight) of each view: the image and its mirror (centre_weight between them) and the
+    mirrored pair of each (dy, dx) shift (the rest of the weight, split evenly)."""
+    views = [((0, 0, False), centre_weight / 2), ((0, 0, True), centre_weight / 2)]
+    per_shifted = (1 - centre_weight) / (2 * len(shifts)) if shifts else 0.0
+    return views + [((dy, dx, mirrored), per_shifted) for dy, dx in shifts for mirrored in (False, True)]
+
+
 def shifted_views(x, shifts, centre_weight):
-    """(view, weight) pairs: the image and its mirror (centre_weight between them) and the mirrored pair of each
-    (dy, dx) shift (the rest of the weight, split evenly)."""
-    views = [(x, centre_weight / 2), (x.flip(3), centre_weight / 2)]
-    for dy, dx in shifts:
-        s = shifted(x, dy, dx)
-        views += [(s, (1 - centre_weight) / (2 * len(shifts))), (s.flip(3), (1 - centre_weight) / (2 * len(shifts)))]
-    return views
+    """(view, weight) pairs of x, as view_weights lists them."""
+    moved = {(0, 0): x} | {shift: shifted(x, *shift) for shift in shifts}  # each shift padded once for its pair
+    return [(moved[dy, dx].flip(3) if mirrored else moved[dy, dx], w)
+            for (dy, dx, mirrored), w in view_weights(shifts, centre_weight)]
 
 
 def tta_views(x, level):

@@ -61,32 +61,27 @@ VIEW_SETS = {
 
 def view_set_accuracies(model, x, y, precision, device, sync, batch_size=1000):
     """{set name: (accuracy, seconds)} for every VIEW_SETS entry, each distinct view's logits computed once."""
+    sets = {name: tb.view_weights(*spec) for name, spec in VIEW_SETS.items()}
     logits, seconds = {}, {}
     model.eval()
     with torch.no_grad():
-        for shifts, _ in VIEW_SETS.values():
-            for dy, dx in [(0, 0)] + shifts:
-                for flip in (False, True):
-                    if (dy, dx, flip) in logits:
-                        continue
-                    sync()
-                    t = time.perf_counter()
-                    out = []
-                    for i in range(0, len(x), batch_size):
-                        v = tb.shifted(x[i:i + batch_size], dy, dx)
-                        with tb.autocast(precision, device):
-                            out.append(model(v.flip(3) if flip else v).float())
-                    logits[dy, dx, flip] = torch.cat(out)
-                    sync()
-                    seconds[dy, dx, flip] = time.perf_counter() - t
+        for view in dict.fromkeys(view for weights in sets.values() for view, _ in weights):  # each view once
+            dy, dx, mirrored = view
+            sync()
+            t = time.perf_counter()
+            out = []
+            for i in range(0, len(x), batch_size):
+                v = tb.shifted(x[i:i + batch_size], dy, dx)
+                with tb.autocast(precision, device):
+                    out.append(model(v.flip(3) if mirrored else v).float())
+            logits[view] = torch.cat(out)
+            sync()
+            seconds[view] = time.perf_counter() - t
     model.train()
     result = {}
-    for name, (shifts, centre_weight) in VIEW_SETS.items():
-        # the same (view, weight) list predict would average, its views named by their shift and flip
-        keys = [(0, 0, False), (0, 0, True)] + [(dy, dx, flip) for dy, dx in shifts for flip in (False, True)]
-        weights = [w for _, w in tb.shifted_views(torch.zeros(1, 1, 4, 4), shifts, centre_weight)]
-        avg = sum(w * logits[k] for k, w in zip(keys, weights))
-        result[name] = ((avg.argmax(1) == y).float().mean().item(), sum(seconds[k] for k in keys))
+    for name, weights in sets.items():  # the same average predict would form over tb.shifted_views
+        avg = sum(w * logits[view] for view, w in weights)
+        result[name] = ((avg.argmax(1) == y).float().mean().item(), sum(seconds[view] for view, _ in weights))
     return result
 
 
@@ -158,8 +153,8 @@ def main():
             for name, (accuracy, seconds) in sets.items():
                 shifts, centre_weight = VIEW_SETS[name]
                 row = dict(checkpoint=os.path.basename(path), seed=seed, mode=name, view_set=True,
-                           views=2 + 2 * len(shifts), shifts=shifts, centre_weight=centre_weight, accuracy=accuracy,
-                           tta_share=1.0, seconds=(seconds, 0.0))
+                           views=len(tb.view_weights(shifts, centre_weight)), shifts=shifts,
+                           centre_weight=centre_weight, accuracy=accuracy, tta_share=1.0, seconds=(seconds, 0.0))
                 table.row(dict(row, seconds=seconds, **{"±": 0.0}))
                 results.append(row)
         if log_path:  # after every net, so the nets done so far survive a crash or a stop
@@ -172,7 +167,7 @@ def main():
         for name in VIEW_SETS:
             acc = accuracies(name)
             d = 100 * (acc - accuracies("6v"))
-            print(f"{name:14s} {2 + 2 * len(VIEW_SETS[name][0]):5d}  {100 * acc.mean():7.3f}%  "
+            print(f"{name:14s} {len(tb.view_weights(*VIEW_SETS[name])):5d}  {100 * acc.mean():7.3f}%  "
                   f"{d.mean():+.3f} ± {d.std() / len(d) ** 0.5:.3f}")
 
 
