@@ -1,0 +1,96 @@
+"""The README's records table against the logs it links, and every link in the docs against the repository: a
+number typed by hand or a log renamed fails here."""
+import json
+import os
+import re
+
+import pytest
+
+import core
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = ["README.md", "RESULTS.md"]
+RENAMED = {"fast94-sgd": "fast94"}  # fast94-sgd was fast94 until the Muon recipe took the name; its logs keep it
+
+
+def read(name):
+    with open(os.path.join(ROOT, name), encoding="utf-8") as f:
+        return f.read()
+
+
+def anchors(markdown):
+    """GitHub's anchors of a document's headings."""
+    return {re.sub(r"[^a-z0-9 -]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+            for line in markdown.splitlines() if line.startswith("#")}
+
+
+def records_rows():
+    """(preset, cells) of each row of the README's records table."""
+    lines = read("README.md").splitlines()
+    start = lines.index("### Records measured here")
+    rows = []
+    for line in lines[start + 1:]:
+        if rows and not line.startswith("|"):
+            break
+        if line.startswith("| `"):
+            cells = [c.strip() for c in line.strip("|").split(" | ")]
+            rows.append((cells[0].split("`")[1], cells))
+    return rows
+
+
+def linked_logs(cell):
+    return [json.loads(read(path)) for path in re.findall(r"\]\((logs/[^)]+\.json)\)", cell)]
+
+
+def run_accuracy(run):
+    """A finished run's final accuracy, or a run stopped early's last evaluation."""
+    return run["accuracy"] if run["accuracy"] is not None else run["epochs"][-1]["test_acc"]
+
+
+def flops_per_run(log):
+    return log.get("train_flops_per_run") or log["train_flops_per_step"] * log["train_steps"]
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_link_resolves(doc):
+    text = read(doc)
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if target.startswith(("http://", "https://")):
+            continue
+        path, _, anchor = target.partition("#")
+        if path:
+            assert os.path.exists(os.path.join(ROOT, path)), f"{doc} links to a missing {path}"
+        if anchor:
+            assert anchor in (anchors(read(path)) if path else anchors(text)), f"{doc}: no heading for #{anchor}"
+        elif not path:
+            pytest.fail(f"{doc}: empty link")
+
+
+def test_records_table_lists_the_main_presets():
+    presets = [p for p, _ in records_rows()]
+    for preset in ("fast94", "fast95", "fast96", "resnet9-tricks", "resnet9", "resnet18"):
+        assert preset in presets
+
+
+@pytest.mark.parametrize("preset,cells", records_rows(), ids=[p for p, _ in records_rows()])
+def test_records_row_matches_its_logs(preset, cells):
+    _, accuracy_cell, _, hardware_cell, flops_cell, log_cell = cells
+    logs = linked_logs(log_cell)
+    assert logs, f"{preset}: the row links no log"
+    assert all(log["preset"] == RENAMED.get(preset, preset) for log in logs), f"{preset}: a linked log is of another preset"
+    runs = [run for log in logs for run in log["runs"]]
+    accuracies = [100 * run_accuracy(run) for run in runs]
+    # "M ± S% (n=K)" and "M ± S% over n=K": the mean and sample std of the first K runs in link order;
+    # a lone "M% (n=1" is the first run's accuracy
+    stats = re.findall(r"([\d.]+) ± ([\d.]+)%\*{0,2} (?:\(n=|over n=)(\d+)", accuracy_cell)
+    for mean, std, n in stats:
+        assert int(n) <= len(accuracies), f"{preset}: n={n} but the logs hold {len(accuracies)} runs"
+        m, s = core.mean_std(accuracies[:int(n)])
+        assert (f"{m:.2f}", f"{s:.2f}") == (mean, std), f"{preset}: logs give {m:.2f} ± {s:.2f} for n={n}"
+    if not stats:
+        first = re.search(r"([\d.]+)%", accuracy_cell).group(1)
+        assert f"{accuracies[0]:.2f}" == first, f"{preset}: its log gives {accuracies[0]:.2f}%"
+    pf = flops_per_run(logs[0]) / 1e15
+    assert f"{pf:.3f} PF" in flops_cell or f"{pf:.2f} PF" in flops_cell, f"{preset}: its log counts {pf:.3f} PF"
+    vendor = hardware_cell.split()[0]
+    assert all(vendor in log["hardware"] for log in logs), f"{preset}: the logs ran on other hardware than {vendor}"
