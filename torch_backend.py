@@ -276,10 +276,20 @@ def autocast(precision, device):
 CPU_ISA_LEVELS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2", "neon", "asimd")
 
 
+def loaded_libraries():
+    """The shared objects mapped into this process (Linux), or LD_PRELOAD's list where /proc is absent."""
+    try:
+        with open("/proc/self/maps") as f:
+            return f.read()
+    except OSError:
+        return os.environ.get("LD_PRELOAD", "")
+
+
 def preloaded_allocator():
-    """jemalloc/tcmalloc when LD_PRELOADed (1.2-1.4x faster CPU training, see benchmarks/bench_allocator.py)."""
-    preload = os.environ.get("LD_PRELOAD", "")
-    return next((name for name in ("jemalloc", "tcmalloc") if name in preload), None)
+    """jemalloc/tcmalloc when LD_PRELOADed (1.2-1.4x faster CPU training, see benchmarks/bench_allocator.py).
+    Read from what the process mapped, not from LD_PRELOAD: a preload of a missing library only warns."""
+    libs = loaded_libraries()
+    return next((name for name in ("jemalloc", "tcmalloc") if f"lib{name}" in libs), None)
 
 
 def find_allocator_library(name):

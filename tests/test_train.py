@@ -277,20 +277,32 @@ ZEN4 = dict(ZEN3, model="17", flags="fpu sse2 avx avx2 fma avx512f avx512_bf16")
 def test_cpu_precision_and_hardware_string_follow_the_cpu_flags(monkeypatch, info, bf16, isa):
     # Two CPUs both called "AMD EPYC" run this project 4x apart (bf16 or not): logs must tell them apart.
     monkeypatch.setattr(tb, "cpu_info", lambda: info)
-    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.setattr(tb, "loaded_libraries", lambda: "7f00-7f01 r-xp 0 08:01 1 /usr/lib/libc.so.6\n")
     cpu = torch.device("cpu")
     assert tb.cpu_has_bf16() is bf16
     assert tb.resolve_precision("auto", cpu) == ("bf16" if bf16 else "fp32")
     name = tb.device_name(cpu)
     assert name.startswith("AMD EPYC (family 25 model " + info["model"] + ", " + isa + ", ")
-    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
+    monkeypatch.setattr(tb, "loaded_libraries", lambda: "7f02-7f03 r-xp 0 08:01 2 /usr/lib/libjemalloc.so.2\n")
     assert tb.device_name(cpu).endswith(", jemalloc)") and tb.allocator_hint(cpu) is None
 
 
 def test_allocator_hint_only_for_cpu_runs_under_glibc(monkeypatch):
-    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.setattr(tb, "loaded_libraries", lambda: "")
     assert "LD_PRELOAD=" in tb.allocator_hint(torch.device("cpu"))
     assert tb.allocator_hint(torch.device("cuda")) is None
+
+
+@pytest.mark.parametrize("preload", ["/nonexistent/libjemalloc.so.2", tb.find_allocator_library("jemalloc")])
+def test_logs_name_jemalloc_only_when_it_really_loaded(preload):
+    # A preload of a missing library only warns (ld.so), so the logs once claimed jemalloc for glibc runs.
+    if preload is None:
+        pytest.skip("no libjemalloc on this machine (apt-get install libjemalloc2)")
+    code = "import torch, torch_backend as tb; print(tb.preloaded_allocator())"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       env=dict(os.environ, LD_PRELOAD=preload))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == ("jemalloc" if os.path.exists(preload) else "None")
 
 
 def test_lookahead_pulls_weights_towards_the_average():
