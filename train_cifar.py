@@ -1065,22 +1065,20 @@ def main(argv=None):
     for k in ("lr_knots", "lr_values", "widths", "train_sizes"):
         if k in overrides:
             overrides[k] = tuple(overrides[k])
-    finished = False
     try:
         summary = train(args.preset, data_path=overrides.pop("data", None), device=args.device,
                         log_dir=args.log_dir or None, checkpoint=args.checkpoint, **overrides)
-        finished = True
+        if torch.distributed.is_initialized():
+            # A rank that tears its connections down while another still reads them can make gloo abort that
+            # one (SIGABRT): after a run, wait until every rank is done before any closes. After an error the
+            # others may be gone, so no wait there.
+            torch.distributed.barrier()
     except (ValueError, tb.DataError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     except Diverged as e:
         parser.exit(1, f"{parser.prog}: {e}\n")
     finally:
         if torch.distributed.is_initialized():
-            # A rank that tears its connections down while another still reads them can make gloo abort that
-            # one (SIGABRT): after a run, wait until every rank is done before any closes. After an error the
-            # others may be gone, so no wait there.
-            if finished:
-                torch.distributed.barrier()
             torch.distributed.destroy_process_group()
     if int(os.environ.get("RANK", 0)) == 0:  # torchrun sets RANK; only rank 0 reports
         print_summary(summary)
