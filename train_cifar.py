@@ -181,8 +181,9 @@ PRESETS = {
     # peak 9 per 1024 examples on a summed loss (kilostep scale 7851) is 0.587 here, weight decay 0.012 per 1024
     # examples is 2.67e-3 (decay per step 1.57e-3 at the peak). The whitening bias trains throughout at the plain
     # LR (the reference's freeze never triggers); lookahead from the start, its average copied into the net at
-    # the end only. Here (bf16, 2-core CPUs): 95.99 ± 0.14% (n=3: 96.15 on an AMX Xeon, 7,004 s; 95.89 and 95.94
-    # on a Zen 4, 8,653 and 8,209 s), logs/fast96-20261201-191119-370, fast96-20261203-195518-4029, -224917-7679.
+    # the end only. Here (bf16, 2-core CPUs): 95.96 ± 0.14% (n=4: 96.15 on an AMX Xeon, 7,004 s; 95.89, 95.94,
+    # 95.84 on a Zen 4, 8,209-8,653 s), logs/fast96-20261201-191119-370, -20261203-195518-4029, -224917-7679,
+    # -20261204-015551-12482: 0.04 short of 96%.
     "fast96": dict(
         net="fastnet", widths=(128, 384, 512), block_depth=3, bn_momentum=0.1, epochs=45, batch_size=512,
         select_fraction=0.5, proxy_widths=(32, 64, 64), proxy_every=4,
