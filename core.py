@@ -161,8 +161,9 @@ def stamped_log_path(log_dir, name, timestamp):
 @functools.lru_cache(maxsize=None)
 def git_commit(directory=None):
     """The commit checked out when this process first asked, with '+dirty' when tracked files outside logs/
-    differ from it; None outside git. Asked once per process: a long study whose checkout moves on while it
-    runs still reports the code it imported. Logs that a running study appends to do not make it dirty."""
+    differ from it. Outside git (a copy of the tree sent to another machine) it is $GIT_COMMIT if set, else None.
+    Asked once per process: a long study whose checkout moves on while it runs still reports the code it imported.
+    Logs that a running study appends to do not make it dirty."""
     directory = directory or os.path.dirname(os.path.abspath(__file__))
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True,
@@ -171,4 +172,4 @@ def git_commit(directory=None):
                                cwd=directory, capture_output=True, text=True, check=True).stdout.strip()
         return sha + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return None
+        return os.environ.get("GIT_COMMIT") or None

@@ -114,6 +114,16 @@ def test_git_commit_ignores_logs_and_flags_code_changes(tmp_path):
     assert core.git_commit(str(tmp_path)) not in (sha, sha + "+dirty", None)
 
 
+def test_git_commit_outside_git_reports_the_commit_it_was_given(tmp_path, monkeypatch):
+    monkeypatch.delenv("GIT_COMMIT", raising=False)
+    core.git_commit.cache_clear()
+    assert core.git_commit(str(tmp_path)) is None
+    monkeypatch.setenv("GIT_COMMIT", "abc123+dirty")
+    core.git_commit.cache_clear()
+    assert core.git_commit(str(tmp_path)) == "abc123+dirty"
+    core.git_commit.cache_clear()
+
+
 def test_stamped_log_path_names_the_file_by_the_timestamp_and_makes_the_folder(tmp_path):
     where = tmp_path / "new" / "logs"
     path = core.stamped_log_path(str(where), "bench_convs-fast94", "2026-12-01T14:51:25+00:00")
