@@ -673,6 +673,31 @@ def closure_loss(closure):
 MUON_NORMS = ("none", "initial", "sqrt_out")
 
 
+def muon_update(params, grads, bufs, norms, lr, momentum, nesterov, weight_decay, orthogonalize, ns_steps,
+                scales):
+    """One parameter group's update, in place on params and bufs (the momentum buffers; zeros before the first
+    step, which makes the first buffer the gradient itself). lr: a number, or a 0-d tensor on the device where the
+    update is compiled (a new LR then needs no new graph). norms: each orthogonalised weight's target Frobenius
+    norm, or None; scales: sqrt(max(1, rows / cols)) per weight."""
+    for p, g, buf, norm, scale in zip(params, grads, bufs, norms, scales):
+        ortho = orthogonalize and p.ndim >= 2
+        if weight_decay and not ortho:
+            g = g.add(p, alpha=weight_decay)
+        if momentum:
+            buf.mul_(momentum).add_(g)
+            g = g.add(buf, alpha=momentum) if nesterov else buf
+        if not ortho:
+            p.sub_(g * lr) if isinstance(lr, torch.Tensor) else p.sub_(g, alpha=lr)
+            continue
+        rows = p.shape[0]
+        update = newton_schulz(g.reshape(rows, p.numel() // rows).float(), ns_steps).view_as(p).to(p.dtype)
+        if weight_decay:
+            p.mul_(1 - lr * weight_decay)
+        p.sub_(update * (lr * scale)) if isinstance(lr, torch.Tensor) else p.sub_(update, alpha=lr * scale)
+        if norm is not None:
+            p.mul_(norm / torch.linalg.vector_norm(p))
+
+
 class Muon(torch.optim.Optimizer):
     """SGD with momentum, except that in groups with orthogonalize=True each weight's update (its Nesterov
     momentum, conv filters flattened to out x in*k*k) is replaced by newton_schulz(update): every direction of
@@ -683,49 +708,79 @@ class Muon(torch.optim.Optimizer):
     to a fixed Frobenius norm: "initial" the one it had at its first step, "sqrt_out" sqrt(rows) (airbench94's
     Muon record), "none" leaves it. The nets here follow every conv with batch norm, so the norm does not change
     the function, only how far a step of size lr turns the weight.
-    Other tensors (BN biases, the head): exactly torch.optim.SGD (weight decay added to the gradient)."""
+    Other tensors (BN biases, the head): exactly torch.optim.SGD (weight decay added to the gradient).
+
+    compiled=True runs each group's update as one torch.compile'd graph: eager, a small net's step is hundreds
+    of tiny kernels, each costing more to launch than to run on a GPU. Call warm_up() before timing: it compiles
+    on copies, leaving the weights and the state alone."""
 
     def __init__(self, params, lr, momentum=0.9, nesterov=True, weight_decay=0.0, orthogonalize=False,
-                 ns_steps=5, norm="none"):
+                 ns_steps=5, norm="none", compiled=False):
         if lr < 0 or not 0 <= momentum < 1 or weight_decay < 0 or ns_steps < 1 or norm not in MUON_NORMS:
             raise ValueError("Muon needs lr, weight_decay >= 0, momentum in [0, 1), ns_steps >= 1 and norm in "
                              + ", ".join(MUON_NORMS))
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                                       orthogonalize=orthogonalize, ns_steps=ns_steps, norm=norm))
+        self.compiled = compiled
+        self._update = torch.compile(muon_update, fullgraph=True, dynamic=False) if compiled else muon_update
+        self._lr = {}  # compiled: each group's LR as a 0-d device tensor, refilled every step
+
+    def _state_of(self, group, params):
+        """The momentum buffers (zeros before the first step: then the first buffer is the gradient itself, as in
+        torch.optim.SGD), target norms (taken now if this is the first step) and update scales of params."""
+        bufs, norms, scales = [], [], []
+        for p in params:
+            state = self.state[p]
+            if group["momentum"] and "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+            bufs.append(state.get("momentum_buffer"))
+            ortho = group["orthogonalize"] and p.ndim >= 2
+            if ortho and group["norm"] != "none" and "norm" not in state:
+                state["norm"] = (torch.linalg.vector_norm(p.detach()) if group["norm"] == "initial"
+                                 else torch.tensor(float(p.shape[0]), device=p.device).sqrt())
+            norms.append(state["norm"] if ortho and group["norm"] != "none" else None)
+            scales.append(max(1.0, p.shape[0] * p.shape[0] / p.numel()) ** 0.5 if p.ndim >= 2 else 1.0)
+        return bufs, norms, scales
+
+    def _arguments(self, group, params, grads, bufs, norms, scales, lr):
+        return (params, grads, bufs, norms, lr, group["momentum"], group["nesterov"], group["weight_decay"],
+                group["orthogonalize"], group["ns_steps"], scales)
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure_loss(closure)
-        for group in self.param_groups:
-            lr, m, wd = group["lr"], group["momentum"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                ortho = group["orthogonalize"] and p.ndim >= 2
-                state = self.state[p]
-                g = p.grad if ortho or not wd else p.grad.add(p, alpha=wd)
-                if m:
-                    if "momentum_buffer" not in state:
-                        state["momentum_buffer"] = g.clone()
-                    else:
-                        state["momentum_buffer"].mul_(m).add_(g)
-                    buf = state["momentum_buffer"]
-                    g = g.add(buf, alpha=m) if group["nesterov"] else buf
-                if not ortho:
-                    p.sub_(g, alpha=lr)
-                    continue
-                rows = p.shape[0]
-                if "norm" not in state and group["norm"] != "none":
-                    state["norm"] = (torch.linalg.vector_norm(p) if group["norm"] == "initial"
-                                     else torch.tensor(float(rows), device=p.device).sqrt())
-                cols = p.numel() // rows
-                update = newton_schulz(g.reshape(rows, cols).float(), group["ns_steps"]).view_as(p)
-                if wd:
-                    p.mul_(1 - lr * wd)
-                p.sub_(update.to(p.dtype), alpha=lr * max(1.0, rows / cols) ** 0.5)
-                if group["norm"] != "none":
-                    p.mul_(state["norm"] / torch.linalg.vector_norm(p))
+        for i, group in enumerate(self.param_groups):
+            params = [p for p in group["params"] if p.grad is not None]
+            # the compiled graph is fixed by the parameters that train (so warm_up can build it before any
+            # gradient exists); a group where one of them has no gradient this step takes the eager path
+            compiled = self.compiled and params and len(params) == sum(p.requires_grad for p in group["params"])
+            bufs, norms, scales = self._state_of(group, params)
+            lr = group["lr"]
+            if compiled:
+                lr = self._lr.setdefault(i, torch.zeros((), device=params[0].device))
+                lr.fill_(group["lr"])  # a kernel with the value as its argument: no copy, no sync
+            (self._update if compiled else muon_update)(
+                *self._arguments(group, params, [p.grad for p in params], bufs, norms, scales, lr))
         return loss
+
+    @torch.no_grad()
+    def warm_up(self):
+        """Compiles each group's update for the parameters that train now, on copies of them and of their
+        momentum buffers: the weights and the state are left as they were (a norm it takes is the one the first
+        step would take, as the weights have not moved)."""
+        if not self.compiled:
+            return
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.requires_grad]
+            if not params:
+                continue
+            bufs, norms, scales = self._state_of(group, params)
+            copies = [torch.nn.Parameter(p.detach().clone(), requires_grad=True) for p in params]
+            bufs = [None if b is None else b.clone() for b in bufs]
+            norms = [None if n is None else n.clone() for n in norms]
+            lr = torch.zeros((), device=params[0].device)
+            self._update(*self._arguments(group, copies, [torch.zeros_like(p) for p in params], bufs, norms,
+                                          scales, lr))
 
     def update_flops(self):
         """FLOPs of one step's Newton-Schulz products (counted, like the net's), for the run's FLOP total."""

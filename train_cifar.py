@@ -34,6 +34,9 @@ COMMON = dict(
     whiten_bias_epochs=0, lookahead_start_epoch=-1, lookahead_every=5, lookahead_decay=0.95, lookahead_pow=3.0,
     lookahead_sync="epoch",  # copy the lookahead average into the net at every epoch end (airbench94) or the "end"
     compile=False, widths=(),
+    # torch.compile's mode for the net with --compile: "default", or "reduce-overhead" (CUDA graphs: the step's
+    # kernels replayed in one launch) or "max-autotune-no-cudagraphs" (kernel choices timed while compiling)
+    compile_mode="default",
     ema_every=0, ema_decay=0.99,  # evaluate a moving average of the weights, updated every ema_every steps (0: off)
     # Large batches and many devices (parallel.py). reference_batch_size 0 means the preset's own batch size.
     optimizer="sgd", trust_coefficient=0.001, lr_scaling="none", reference_batch_size=0, warmup_epochs=0.0,
@@ -214,6 +217,9 @@ def make_config(preset=DEFAULT_PRESET, **overrides):
 MIN_TRAIN_SIZE = 16  # below this the nets' three or four 2x poolings leave no map to pool
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
+
+
 def check_config(cfg):
     """Impossible options are errors here, before any data is touched."""
     def need(ok, msg):
@@ -233,6 +239,7 @@ def check_config(cfg):
          "select-by loss needs pipeline device")
     need(cfg["ema_every"] >= 0 and 0 <= cfg["ema_decay"] < 1, "need ema-every >= 0 and ema-decay in [0, 1)")
     need(cfg["epochs"] > 0, f"epochs must be positive, got {cfg['epochs']}")
+    need(cfg["compile_mode"] in COMPILE_MODES, f"compile-mode must be one of {', '.join(COMPILE_MODES)}")
     need(int(cfg["batch_size"]) == cfg["batch_size"] and cfg["batch_size"] > 0,
          f"batch size must be a positive integer, got {cfg['batch_size']}")
     need(0 < cfg["target"] <= 1, f"target must be in (0, 1], got {cfg['target']}")
@@ -340,7 +347,8 @@ def make_optimizer(cfg, model):
                        weight_decay=cfg["weight_decay"]),
                   dict(params=rest, lr_scale=1.0, weight_decay=cfg["weight_decay"]),
                   dict(params=fast, lr_scale=s, weight_decay=cfg["weight_decay"] / s)]
-        return tb.Muon([g for g in groups if g["params"]], lr=0.0, momentum=cfg["momentum"], nesterov=nesterov)
+        return tb.Muon([g for g in groups if g["params"]], lr=0.0, momentum=cfg["momentum"], nesterov=nesterov,
+                       compiled=cfg["compile"])
     return torch.optim.SGD(groups, lr=0.0, momentum=cfg["momentum"], nesterov=nesterov)
 
 
@@ -422,7 +430,7 @@ def make_step_fn(cfg, model, world):
             step_fn.register_comm_hook(parallel.make_hierarchical_state(world, group),
                                        parallel.hierarchical_allreduce_hook)
     # dynamic=False: each image size of progressive resizing gets its own static graph, not one dynamic graph
-    return torch.compile(step_fn, dynamic=False) if cfg["compile"] else step_fn
+    return torch.compile(step_fn, dynamic=False, mode=cfg["compile_mode"]) if cfg["compile"] else step_fn
 
 
 def forward_loss(cfg, step_fn, x, y, precision, device):
@@ -446,9 +454,10 @@ def train_step(cfg, step_fn, opt, x, y, precision, device, scaler=None):
     return out, loss
 
 
-def warm_up_compile(cfg, model, device, precision, world):
-    """Compiles the training step (forward and backward) on the run's own net before its timed steps, then puts
-    the net back as it was (weights, BN statistics, no gradients; the optimizer has not stepped). Covers both
+def warm_up_compile(cfg, model, device, precision, world, opt=None):
+    """Compiles the training step (forward and backward, and a compiled optimizer's update) on the run's own net
+    before its timed steps, then puts the net back as it was (weights, BN statistics, no gradients; the optimizer
+    has not stepped). Covers both
     states of the whitening bias (trained in the first whiten_bias_epochs, then frozen): a change of
     requires_grad means another graph (and, under torchrun, another DDP wrapper). A later run finds most of
     the work in torch.compile's caches."""
@@ -465,6 +474,8 @@ def warm_up_compile(cfg, model, device, precision, world):
             x = torch.randn(local_bs, 3, size, size, device=device, generator=gen)
             x = x.to(tb.DTYPES[precision]).to(memory_format=torch.channels_last)
             forward_loss(cfg, make_step_fn(cfg, model, world), x, y, precision, device)[1].backward()
+        if hasattr(opt, "warm_up"):
+            opt.warm_up()
     if before is not None:
         model.whiten.bias.requires_grad_(before)
     model.zero_grad(set_to_none=True)
@@ -638,7 +649,7 @@ def checkpoint_mismatch(state, cfg, seed, precision):
         saved = state["cfg"]
     # where to stop is not the run, and compiling or the CPU's conv kernels change how a step runs, not what it
     # computes (each segment records whether it was compiled, and its hardware)
-    unrun = dict(stop_after_epochs=0, compile=False, cpu_conv=None)
+    unrun = dict(stop_after_epochs=0, compile=False, compile_mode=None, cpu_conv=None)
     cfg, saved = dict(cfg, **unrun), dict(saved, **unrun)
     # options added or removed since the checkpoint was saved are not compared: the code's own change is what
     # the run's segments record (commit per part)
@@ -685,7 +696,7 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
     if cfg["compile"]:  # building the net and fitting the whitening stay timed; compiling does not
         timer()
         t = time.perf_counter()
-        warm_up_compile(cfg, model, device, precision, world)
+        warm_up_compile(cfg, model, device, precision, world, opt)
         timer(include_in_total=False)
         log(f"compiled the training step in {time.perf_counter() - t:.1f} s (outside the timer)")
     step_fn = make_step_fn(cfg, model, world)

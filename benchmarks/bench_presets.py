@@ -3,6 +3,7 @@ share of the machine's practical peak (a large matmul in the same precision, mea
 
     python benchmarks/bench_presets.py [--presets fast94 resnet9] [--steps 5] [--repeats 3] [--compile]
     python benchmarks/bench_presets.py --flops-only     # FLOPs per run of every preset, counted in seconds
+    python benchmarks/bench_presets.py --breakdown --compile --presets fast94   # where a step's time goes
 
 Times full training steps (augmentation, forward, backward, update; with data selection also scoring the
 candidates, and the proxy's own training steps) on random data of CIFAR-10's shape after a warm-up, so it needs
@@ -38,7 +39,7 @@ def time_steps(step, sync, steps, repeats, warm_up):
     return core.mean_std(times)
 
 
-def measure(preset, device, steps, repeats, compile=False, overrides=None):
+def measure(preset, device, steps, repeats, compile=False, overrides=None, breakdown=False, profile=False):
     cfg = train_cifar.make_config(preset, **dict(overrides or {}, compile=compile))
     precision = tb.resolve_precision(cfg["precision"], device)
     bs, pad = cfg["batch_size"], cfg["pad"]
@@ -78,12 +79,42 @@ def measure(preset, device, steps, repeats, compile=False, overrides=None):
     est_time = sum(seconds[side][0] for side in sizes)
     est_std = sum(seconds[side][1] for side in sizes)  # the sizes' errors added, not in quadrature: an upper bound
     per_step = (est_time / run_steps, est_std / run_steps)
-    return dict(preset=preset, overrides=overrides or {}, compile=compile, precision=precision, batch_size=bs,
+    result = dict(preset=preset, overrides=overrides or {}, compile=compile, precision=precision, batch_size=bs,
                 candidates_per_step=drawn, flops_per_step=flops_step, train_flops_per_run=flops_run,
                 img_per_s=(bs / per_step[0], bs * per_step[1] / per_step[0] ** 2),
                 tflop_per_s=(flops_run / est_time / 1e12, flops_run * est_std / est_time ** 2 / 1e12),
                 est_train_time_s=est_time, losses_finite=bool(torch.stack(losses).isfinite().all()),
                 seconds_per_step_by_size={str(side): seconds[side] for side in seconds})
+    if breakdown:  # each part of a full-size step alone, synchronised: what the step's time is made of
+        side = sizes[-1]
+        x, y = batch(0, drawn, side)
+        parts = dict(batch=lambda i: batch(i, drawn, side),
+                     forward_backward=lambda i: train_cifar.forward_loss(cfg, step_fn, x[:bs], y[:bs], precision,
+                                                                         device)[1].backward(),
+                     optimizer=lambda i: opt.step())
+        result["seconds_by_part"] = {name: time_steps(fn, sync, steps, repeats, warm_up=2)
+                                     for name, fn in parts.items()}
+        # host time to issue a full step: near the step's own time, the GPU waits on Python and kernel launches
+        host = []
+        for i in range(repeats * steps):
+            sync()
+            t = time.perf_counter()
+            step(i, side)
+            host.append(time.perf_counter() - t)
+            sync()
+        result["host_seconds_per_step"] = core.mean_std(host)
+        result["step_seconds_at_full_size"] = seconds[side]
+    if profile and device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for i in range(steps):
+                step(i, sizes[-1])
+            sync()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        result["kernels_per_step"] = len(kernels) / steps
+        print(f"{preset}: {len(kernels) / steps:.0f} GPU kernels per step")
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
+    return result
 
 
 def count_only(preset, overrides=None):
@@ -135,6 +166,10 @@ def main():
     p.add_argument("--log-dir", default="logs")
     p.add_argument("--flops-only", action="store_true",
                    help="only count each preset's FLOPs (on the meta device, instant) and time nothing")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time each part of a step alone (batch, forward+backward, optimizer) and the host's time "
+                        "to issue a step")
+    p.add_argument("--profile", action="store_true", help="on a GPU, print torch.profiler's top kernels of a step")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override an option of every preset, e.g. --set batch_size=2048")
     a = p.parse_args()
@@ -171,12 +206,17 @@ def main():
     table = core.Table(["preset", "precision", "PF/run", "img/s", "±", "TFLOP/s", "% peak", "est_time_s"], width=11)
     results = []
     for preset in a.presets:
-        r = measure(preset, device, a.steps, a.repeats, a.compile, overrides)
+        r = measure(preset, device, a.steps, a.repeats, a.compile, overrides, a.breakdown, a.profile)
         results.append(r)
         table.row({"preset": preset, "precision": r["precision"], "PF/run": r["train_flops_per_run"] / 1e15,
                    "img/s": round(r["img_per_s"][0]), "±": round(r["img_per_s"][1]),
                    "TFLOP/s": r["tflop_per_s"][0], "% peak": f"{100 * r['tflop_per_s'][0] / peak[0]:.0f}%",
                    "est_time_s": round(r["est_train_time_s"])})
+        if a.breakdown:
+            parts = ", ".join(f"{name} {1e3 * m:.2f} ± {1e3 * sd:.2f}" for name, (m, sd) in r["seconds_by_part"].items())
+            full, host = r["step_seconds_at_full_size"], r["host_seconds_per_step"]
+            print(f"  {preset} ms per step at full size: {1e3 * full[0]:.2f} ± {1e3 * full[1]:.2f} (host issues it in "
+                  f"{1e3 * host[0]:.2f} ± {1e3 * host[1]:.2f}); parts alone: {parts}")
         if not r["losses_finite"]:
             print(f"warning: {preset}'s timed steps gave a NaN or infinite loss; this timing is of a broken step")
         if a.log_dir:  # rewritten after each preset so an interrupted benchmark keeps what it measured

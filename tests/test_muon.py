@@ -122,3 +122,42 @@ def test_muon_options_are_checked():
         train_cifar.make_config("fast94", muon_norm="unit")
     with pytest.raises(ValueError, match="muon-ns-steps >= 1"):
         train_cifar.make_config("fast94", muon_ns_steps=0)
+
+
+def test_compiled_muon_matches_eager_muon_without_recompiling():
+    """compiled=True: the same updates as the eager optimizer, each group one graph per set of trainable
+    parameters, all built by warm_up (which moves no weight): changing LRs and a parameter that stops training
+    (as fastnet's whitening bias) need no new graph."""
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(8, 4, 3, 3), (16, 8, 3, 3)], [(10, 16), (8,), (5,)]
+
+    def make(compiled):
+        g = torch.Generator().manual_seed(4)
+        filters = [torch.nn.Parameter(torch.randn(*s, generator=g)) for s in shapes[0]]
+        rest = [torch.nn.Parameter(torch.randn(*s, generator=g)) for s in shapes[1]]
+        opt = tb.Muon([dict(params=filters, orthogonalize=True, norm="sqrt_out", ns_steps=3, momentum=0.6),
+                       dict(params=rest, weight_decay=0.01)], lr=0.0, momentum=0.85, nesterov=True,
+                      compiled=compiled)
+        return filters + rest, opt
+
+    eager_params, eager = make(False)
+    params, opt = make(True)
+    before = [p.detach().clone() for p in params]
+    for trains in (True, False):  # both states of the last parameter, as warm_up_compile does
+        params[-1].requires_grad_(trains)
+        opt.warm_up()
+    params[-1].requires_grad_(True)
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step, lr in enumerate([0.1, 0.05, 0.02, 0.01]):
+            for ps in (params, eager_params):
+                ps[-1].requires_grad_(step < 2)
+            for p, q in zip(params, eager_params):
+                p.grad = q.grad = torch.randn(p.shape, generator=gen) if p.requires_grad else None
+            for o in (opt, eager):
+                for group in o.param_groups:
+                    group["lr"] = lr
+                o.step()
+    for p, q in zip(params, eager_params):
+        np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), atol=1e-5)
+    assert not torch.equal(params[0], before[0])
