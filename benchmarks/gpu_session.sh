@@ -8,13 +8,16 @@
 #
 # smoke trains every record preset for one epoch on random data of CIFAR-10's size, compiled: it finds a
 # CUDA-only failure while the data set is still on its way, gives each preset's compile and epoch times (to size
-# the runs below) and leaves the compiled kernels in .inductor/ for the real runs. Run counts: N94, N95, N96,
-# NTRICKS (default 20, 5, 5, 5); EXTRAS=1 adds the GPU runs of the closed issues' presets if time is left.
+# the runs below) and leaves the compiled kernels in /tmp/inductor for the real runs (the device machine keeps
+# /tmp while it stays warm, but gets a fresh copy of the repo, ignored files gone, at every call: carry the data
+# set's parts one per call and copy each to /tmp). Run counts: N94, N95, N96, NTRICKS (default 20, 5, 5, 5; 0
+# skips one); COMPILE_MODE: torch.compile's mode (train_cifar's --compile-mode); EXTRAS=1 adds the GPU runs of
+# the closed issues' presets if time is left.
 # GIT_COMMIT names the commit in the logs where the tree has no .git. Then: tar -xzf gpu-logs.tar.gz -C logs/
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder that comes back}"
-export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR="$PWD/.inductor"  # kept on the machine between calls
+export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor  # kept on the machine between calls
 LOGS=$(mktemp -d)
 REPORT="$OUT/gpu-session.txt"
 
@@ -48,20 +51,22 @@ EOF
 fi
 
 : "${DATA:?set DATA to the CIFAR-10 .npz}"
+MODE=(--compile-mode "${COMPILE_MODE:-default}")
+preset() {  # preset NAME RUNS SECONDS ARGS...: a step of RUNS runs of a record preset; 0 runs skips it
+    local name=$1 runs=$2 limit=$3; shift 3
+    [ "$runs" = 0 ] || step "$name" "$limit" python train_cifar.py --preset "$name" --data "$DATA" --device cuda \
+        --runs "$runs" --log-dir "$LOGS" "$@"
+}
 # 1. fast94 (#3): n = 20, compiled outside the timer.
-step fast94 300 python train_cifar.py --preset fast94 --data "$DATA" --device cuda --compile true \
-    --runs "${N94:-20}" --log-dir "$LOGS"
+preset fast94 "${N94:-20}" 300 --compile true "${MODE[@]}"
 # 2. fast95 and fast96 (#3): n = 5 each.
-step fast95 200 python train_cifar.py --preset fast95 --data "$DATA" --device cuda --compile true \
-    --runs "${N95:-5}" --log-dir "$LOGS"
-step fast96 300 python train_cifar.py --preset fast96 --data "$DATA" --device cuda --compile true \
-    --runs "${N96:-5}" --log-dir "$LOGS"
+preset fast95 "${N95:-5}" 200 --compile true "${MODE[@]}"
+preset fast96 "${N96:-5}" 300 --compile true "${MODE[@]}"
 # 3. resnet9-tricks (#3), eager as Myrtle ran it: n = 5.
-step resnet9-tricks 120 python train_cifar.py --preset resnet9-tricks --data "$DATA" --device cuda \
-    --runs "${NTRICKS:-5}" --log-dir "$LOGS"
+preset resnet9-tricks "${NTRICKS:-5}" 120
 # 4. Throughput and achieved FLOP/s of the record presets, compiled (#3).
-step bench-presets 120 python benchmarks/bench_presets.py --device cuda --compile \
-    --presets fast94 fast95 fast96 resnet9-tricks --log-dir "$LOGS"
+step bench-presets 120 python benchmarks/bench_presets.py --device cuda --compile --breakdown \
+    --presets fast94 fast95 fast96 resnet9-tricks --set compile_mode="${COMPILE_MODE:-default}" --log-dir "$LOGS"
 if [ "${EXTRAS:-0}" = 1 ]; then  # closed issues' presets, for the history table's GPU column
     step resnet9 120 python train_cifar.py --preset resnet9 --data "$DATA" --device cuda --runs 5 --log-dir "$LOGS"
     step fast94-sgd 120 python train_cifar.py --preset fast94-sgd --data "$DATA" --device cuda --compile true \
