@@ -372,19 +372,18 @@ class WeightAverage:
         self.model = model
         self.avg = {k: v.detach().clone() for k, v in model.state_dict().items() if v.is_floating_point()}
 
+    # foreach ops: one kernel launch for all tensors on a GPU instead of one per tensor (dozens per update)
     @torch.no_grad()
     def pull(self, weight):
         """avg <- avg + weight * (net - avg)."""
         state = self.model.state_dict()
-        for k, avg in self.avg.items():
-            avg.lerp_(state[k], weight)
+        torch._foreach_lerp_(list(self.avg.values()), [state[k] for k in self.avg], weight)
 
     @torch.no_grad()
     def load(self, tensors):
         """Copies tensors (keyed like avg) into the net."""
         state = self.model.state_dict()
-        for k, v in tensors.items():
-            state[k].copy_(v)
+        torch._foreach_copy_([state[k] for k in tensors], list(tensors.values()))
 
 
 class Lookahead(WeightAverage):
@@ -446,6 +445,8 @@ def forward_loss(cfg, step_fn, x, y, precision, device):
 
 def train_step(cfg, step_fn, opt, x, y, precision, device, scaler=None):
     """One update: forward_loss, backward (loss-scaled for fp16), optimizer step."""
+    if cfg["compile"] and cfg["compile_mode"] == "reduce-overhead":
+        torch.compiler.cudagraph_mark_step_begin()  # the last step's graph outputs are consumed: reuse their memory
     out, loss = forward_loss(cfg, step_fn, x, y, precision, device)
     opt.zero_grad(set_to_none=True)
     if scaler is not None:
@@ -477,7 +478,11 @@ def warm_up_compile(cfg, model, device, precision, world, opt=None):
         for size in sorted(set(cfg["train_sizes"]) | {IMAGE_SIZE}):  # each image size is another graph
             x = torch.randn(local_bs, 3, size, size, device=device, generator=gen)
             x = x.to(tb.DTYPES[precision]).to(memory_format=torch.channels_last)
-            forward_loss(cfg, make_step_fn(cfg, model, world), x, y, precision, device)[1].backward()
+            # CUDA graphs are recorded at a graph's second or third call, not its first
+            for _ in range(3 if cfg["compile_mode"] == "reduce-overhead" else 1):
+                if cfg["compile_mode"] == "reduce-overhead":
+                    torch.compiler.cudagraph_mark_step_begin()
+                forward_loss(cfg, make_step_fn(cfg, model, world), x, y, precision, device)[1].backward()
         if hasattr(opt, "warm_up"):
             opt.warm_up()
     if before is not None:
@@ -541,10 +546,10 @@ def set_lr(opt, lr):
 
 def proxy_config(cfg):
     """The proxy that scores candidates for data selection: a small depth-2 fastnet on the run's own recipe (LR
-    schedule, decay, label smoothing), without selection, lookahead, EMA or ghost BN of its own."""
+    schedule, decay, label smoothing, compilation), without selection, lookahead, EMA or ghost BN of its own."""
     return dict(cfg, net="fastnet", widths=tuple(cfg["proxy_widths"]), block_depth=2, whiten_bias_epochs=0,
                 select_fraction=1.0, lookahead_start_epoch=-1, ema_every=0, bn_group_size=0, echo="none",
-                compile=False)
+                compile_mode="default")  # CUDA graphs for the run's net only: the two would share their memory pool
 
 
 class Proxy:
@@ -561,12 +566,35 @@ class Proxy:
         self.opt = make_optimizer(self.cfg, self.model)
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
         self.loss = torch.zeros((), device=device)  # the last training step's, checked once an epoch
+        # with --compile: one graph for scoring (no gradients) and one for training, per image size; warm_up
+        # builds them outside the timer. Eager on a GPU, this small net's step is mostly kernel launches.
+        self.forward = make_step_fn(self.cfg, self.model, world=1)
 
-    def select(self, x, y, keep, lr, train):
+    def warm_up(self, candidates, sizes):
+        """Compiles scoring and training at each image size on random batches of `candidates` images, then puts
+        the proxy back as it was (weights, BN statistics, no gradients; its optimizer has not stepped)."""
+        saved = {k: v.clone() for k, v in self.model.state_dict().items()}
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        y = torch.randint(0, 10, (candidates,), device=self.device, generator=gen)
+        for size in sorted(set(sizes)):
+            x = torch.randn(candidates, 3, size, size, device=self.device, generator=gen)
+            x = x.to(tb.DTYPES[self.precision]).to(memory_format=torch.channels_last)
+            for train in (False, True):
+                losses = self.losses(x, y, train)
+                if train:
+                    losses.mean().backward()
+        self.model.zero_grad(set_to_none=True)
+        self.model.load_state_dict(saved)
+
+    def losses(self, x, y, train):
+        """Each candidate's loss in train mode (batch statistics), with gradients if it will train on them."""
         self.model.train()
         with torch.set_grad_enabled(train), tb.autocast(self.precision, self.device):
-            losses = F.cross_entropy(self.model(x).float(), y, reduction="none",
-                                     label_smoothing=self.cfg["label_smoothing"])
+            return F.cross_entropy(self.forward(x).float(), y, reduction="none",
+                                   label_smoothing=self.cfg["label_smoothing"])
+
+    def select(self, x, y, keep, lr, train):
+        losses = self.losses(x, y, train)
         chosen = losses.detach().topk(keep, sorted=False).indices
         if train:
             set_lr(self.opt, lr)
@@ -712,6 +740,10 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
         if why:
             raise ValueError(f"checkpoint {checkpoint} {why}")
     proxy = Proxy(cfg, data, gen, device, precision) if uses_proxy(cfg) else None  # timed
+    if proxy is not None and cfg["compile"]:
+        timer()
+        proxy.warm_up(candidate_batch_size(cfg) // world, set(cfg["train_sizes"]) | {IMAGE_SIZE})
+        timer(include_in_total=False)
     if proxy is not None and state is not None:
         proxy.load_state_dict(state["proxy"])
     history = None  # select_by loss: each example's loss when last trained on (inf: never yet)

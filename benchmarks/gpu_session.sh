@@ -5,6 +5,7 @@
 #
 #   DATA=/path/to/cifar10.npz OUT=/tmp/out bash benchmarks/gpu_session.sh          # the records (#3)
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh smoke                                # first: a CUDA check
+#   DATA=... OUT=... PRESET=fast96 RUNS=8 bash benchmarks/gpu_session.sh screen    # variants, paired seeds
 #
 # smoke trains every record preset for one epoch on random data of CIFAR-10's size, compiled: it finds a
 # CUDA-only failure while the data set is still on its way, gives each preset's compile and epoch times (to size
@@ -51,6 +52,18 @@ EOF
 fi
 
 : "${DATA:?set DATA to the CIFAR-10 .npz}"
+if [ "${1:-}" = screen ]; then
+    # Variants of one preset on the same seeds (paired): VARIANTS holds one set of extra options per line, and
+    # its default line '' is the preset itself, e.g. VARIANTS=$'\n--precision fp16' PRESET=fast96 RUNS=8.
+    while IFS= read -r variant; do
+        # shellcheck disable=SC2086  # a variant is several options
+        step "screen ${PRESET:-fast96} ${variant:-as is}" "${LIMIT:-300}" python train_cifar.py --preset \
+            "${PRESET:-fast96}" --data "$DATA" --device cuda --compile true --runs "${RUNS:-8}" --log-dir "$LOGS" \
+            $variant
+    done <<< "${VARIANTS-$'\n--precision fp16'}"
+    echo "done $(date -u +%H:%M:%S)" | tee -a "$REPORT"
+    exit
+fi
 MODE=(--compile-mode "${COMPILE_MODE:-default}")
 preset() {  # preset NAME RUNS SECONDS ARGS...: a step of RUNS runs of a record preset; 0 runs skips it
     local name=$1 runs=$2 limit=$3; shift 3
@@ -67,6 +80,9 @@ preset resnet9-tricks "${NTRICKS:-5}" 120
 # 4. Throughput and achieved FLOP/s of the record presets, compiled (#3).
 step bench-presets 120 python benchmarks/bench_presets.py --device cuda --compile --breakdown \
     --presets fast94 fast95 fast96 resnet9-tricks --set compile_mode="${COMPILE_MODE:-default}" --log-dir "$LOGS"
+# 5. Where fast94's step time goes: its top kernels and kernel launches per step.
+step profile-fast94 120 python benchmarks/bench_presets.py --device cuda --compile --profile --presets fast94 \
+    --steps 5 --repeats 1 --set compile_mode="${COMPILE_MODE:-default}" --log-dir "$LOGS"
 if [ "${EXTRAS:-0}" = 1 ]; then  # closed issues' presets, for the history table's GPU column
     step resnet9 120 python train_cifar.py --preset resnet9 --data "$DATA" --device cuda --runs 5 --log-dir "$LOGS"
     step fast94-sgd 120 python train_cifar.py --preset fast94-sgd --data "$DATA" --device cuda --compile true \

@@ -264,3 +264,32 @@ def test_loss_history_needs_the_device_pipeline():
         train_cifar.make_config("fast94", select_fraction=0.7, select_by="loss", pipeline="loader")
     with pytest.raises(ValueError, match="select-by must be proxy or loss"):
         train_cifar.make_config("fast94", select_fraction=0.7, select_by="random")
+
+
+def test_compiled_proxy_scores_selects_and_trains_as_the_eager_one_without_recompiling():
+    """--compile compiles the proxy too (one graph to score, one to train, built by warm_up outside the timer and
+    leaving the proxy as it was): the same choices and the same weights as the eager proxy, and no step
+    compiles anything."""
+    cfg = train_cifar.make_config("fast96", widths=(8, 16, 16), proxy_widths=(4, 8, 8), precision="fp32")
+    eager = train_cifar.Proxy(cfg, None, None, CPU, "fp32")
+    compiled = train_cifar.Proxy(dict(cfg, compile=True), None, None, CPU, "fp32")
+    assert compiled.forward is not compiled.model and eager.forward is eager.model
+    with torch.no_grad():
+        for p in eager.model.blocks.parameters():  # away from the dirac start, so losses differ clearly
+            p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    compiled.model.load_state_dict(eager.model.state_dict())
+    before = {k: v.clone() for k, v in compiled.model.state_dict().items()}
+    compiled.warm_up(32, [32])
+    assert all(torch.equal(before[k], v) for k, v in compiled.model.state_dict().items())
+    assert all(p.grad is None for p in compiled.model.parameters())
+    gen = torch.Generator().manual_seed(0)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for step in range(4):
+            x = torch.randn(32, 3, 32, 32, generator=gen).to(memory_format=torch.channels_last)
+            y = torch.randint(0, 10, (32,), generator=gen)
+            chosen = [proxy.select(x, y, 16, lr=0.1, train=step % 2 == 0)[0] for proxy in (eager, compiled)]
+            sums = [c.flatten(1).sum(1).sort().values for c in chosen]  # the same images, in any order
+            torch.testing.assert_close(sums[0], sums[1])
+    for p, q in zip(eager.model.parameters(), compiled.model.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4)
+    assert not torch.equal(before["blocks.0.weight"], compiled.model.state_dict()["blocks.0.weight"])  # trained
