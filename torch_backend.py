@@ -753,7 +753,8 @@ class Muon(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             # the compiled graph is fixed by the parameters that train (so warm_up can build it before any
             # gradient exists); a group where one of them has no gradient this step takes the eager path
-            compiled = self.compiled and params and len(params) == sum(p.requires_grad for p in group["params"])
+            trainable = sum(p.requires_grad for p in group["params"])
+            compiled = self.compiled and bool(params) and len(params) == trainable
             bufs, norms, scales = self._state_of(group, params)
             lr = group["lr"]
             if compiled:

@@ -462,10 +462,9 @@ def train_step(cfg, step_fn, opt, x, y, precision, device, scaler=None):
 def warm_up_compile(cfg, model, device, precision, world, opt=None):
     """Compiles the training step (forward and backward, and a compiled optimizer's update) on the run's own net
     before its timed steps, then puts the net back as it was (weights, BN statistics, no gradients; the optimizer
-    has not stepped). Covers both
-    states of the whitening bias (trained in the first whiten_bias_epochs, then frozen): a change of
-    requires_grad means another graph (and, under torchrun, another DDP wrapper). A later run finds most of
-    the work in torch.compile's caches."""
+    has not stepped). Covers both states of the whitening bias (trained in the first whiten_bias_epochs, then
+    frozen): a change of requires_grad means another graph (and, under torchrun, another DDP wrapper). A later
+    run finds most of the work in torch.compile's caches."""
     local_bs = cfg["batch_size"] // world
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     gen = torch.Generator(device=device).manual_seed(0)  # leaves the run's random streams alone

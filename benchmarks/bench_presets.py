@@ -213,7 +213,8 @@ def main():
                    "TFLOP/s": r["tflop_per_s"][0], "% peak": f"{100 * r['tflop_per_s'][0] / peak[0]:.0f}%",
                    "est_time_s": round(r["est_train_time_s"])})
         if a.breakdown:
-            parts = ", ".join(f"{name} {1e3 * m:.2f} ± {1e3 * sd:.2f}" for name, (m, sd) in r["seconds_by_part"].items())
+            parts = ", ".join(f"{name} {1e3 * m:.2f} ± {1e3 * sd:.2f}"
+                              for name, (m, sd) in r["seconds_by_part"].items())
             full, host = r["step_seconds_at_full_size"], r["host_seconds_per_step"]
             print(f"  {preset} ms per step at full size: {1e3 * full[0]:.2f} ± {1e3 * full[1]:.2f} (host issues it in "
                   f"{1e3 * host[0]:.2f} ± {1e3 * host[1]:.2f}); parts alone: {parts}")
