@@ -582,6 +582,8 @@ class Proxy:
                 losses = self.losses(x, y, train)
                 if train:
                     losses.mean().backward()
+        if hasattr(self.opt, "warm_up"):  # a compiled Muon (--optimizer muon)
+            self.opt.warm_up()
         self.model.zero_grad(set_to_none=True)
         self.model.load_state_dict(saved)
 
