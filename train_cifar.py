@@ -445,7 +445,7 @@ def forward_loss(cfg, step_fn, x, y, precision, device):
 
 def train_step(cfg, step_fn, opt, x, y, precision, device, scaler=None):
     """One update: forward_loss, backward (loss-scaled for fp16), optimizer step."""
-    if cfg["compile"] and cfg["compile_mode"] == "reduce-overhead":
+    if uses_cuda_graphs(cfg):
         torch.compiler.cudagraph_mark_step_begin()  # the last step's graph outputs are consumed: reuse their memory
     out, loss = forward_loss(cfg, step_fn, x, y, precision, device)
     opt.zero_grad(set_to_none=True)
@@ -459,35 +459,51 @@ def train_step(cfg, step_fn, opt, x, y, precision, device, scaler=None):
     return out, loss
 
 
+def uses_cuda_graphs(cfg):
+    return cfg["compile"] and cfg["compile_mode"] == "reduce-overhead"
+
+
+def warm_up_batches(n, sizes, precision, device):
+    """Random batches of n images (labels too) at each image size, to compile on: each size is another graph.
+    From a generator of their own, so the run's random streams are left alone."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    y = torch.randint(0, 10, (n,), device=device, generator=gen)
+    return [(torch.randn(n, 3, size, size, device=device, generator=gen).to(tb.DTYPES[precision])
+             .to(memory_format=torch.channels_last), y) for size in sorted(set(sizes))]
+
+
+@contextlib.contextmanager
+def left_as_it_was(model):
+    """Whatever the block trains, the net ends as it began: weights and BN statistics restored, no gradients."""
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    yield
+    model.zero_grad(set_to_none=True)
+    model.load_state_dict(saved)
+
+
 def warm_up_compile(cfg, model, device, precision, world, opt=None):
     """Compiles the training step (forward and backward, and a compiled optimizer's update) on the run's own net
     before its timed steps, then puts the net back as it was (weights, BN statistics, no gradients; the optimizer
     has not stepped). Covers both states of the whitening bias (trained in the first whiten_bias_epochs, then
     frozen): a change of requires_grad means another graph (and, under torchrun, another DDP wrapper). A later
     run finds most of the work in torch.compile's caches."""
-    local_bs = cfg["batch_size"] // world
-    saved = {k: v.clone() for k, v in model.state_dict().items()}
-    gen = torch.Generator(device=device).manual_seed(0)  # leaves the run's random streams alone
-    y = torch.randint(0, 10, (local_bs,), device=device, generator=gen)
+    batches = warm_up_batches(cfg["batch_size"] // world, set(cfg["train_sizes"]) | {IMAGE_SIZE}, precision, device)
     whiten_states = [True, False] if cfg["whiten_bias_epochs"] and hasattr(model, "whiten") else [None]
     before = model.whiten.bias.requires_grad if whiten_states[0] is not None else None
-    for grad in whiten_states:
-        if grad is not None:
-            model.whiten.bias.requires_grad_(grad)
-        for size in sorted(set(cfg["train_sizes"]) | {IMAGE_SIZE}):  # each image size is another graph
-            x = torch.randn(local_bs, 3, size, size, device=device, generator=gen)
-            x = x.to(tb.DTYPES[precision]).to(memory_format=torch.channels_last)
-            # CUDA graphs are recorded at a graph's second or third call, not its first
-            for _ in range(3 if cfg["compile_mode"] == "reduce-overhead" else 1):
-                if cfg["compile_mode"] == "reduce-overhead":
-                    torch.compiler.cudagraph_mark_step_begin()
-                forward_loss(cfg, make_step_fn(cfg, model, world), x, y, precision, device)[1].backward()
-        if hasattr(opt, "warm_up"):
-            opt.warm_up()
-    if before is not None:
-        model.whiten.bias.requires_grad_(before)
-    model.zero_grad(set_to_none=True)
-    model.load_state_dict(saved)
+    with left_as_it_was(model):
+        for grad in whiten_states:
+            if grad is not None:
+                model.whiten.bias.requires_grad_(grad)
+            for x, y in batches:
+                # CUDA graphs are recorded at a graph's second or third call, not its first
+                for _ in range(3 if uses_cuda_graphs(cfg) else 1):
+                    if uses_cuda_graphs(cfg):
+                        torch.compiler.cudagraph_mark_step_begin()
+                    forward_loss(cfg, make_step_fn(cfg, model, world), x, y, precision, device)[1].backward()
+            if hasattr(opt, "warm_up"):
+                opt.warm_up()
+        if before is not None:
+            model.whiten.bias.requires_grad_(before)
 
 
 def candidate_batch_size(cfg):
@@ -572,20 +588,14 @@ class Proxy:
     def warm_up(self, candidates, sizes):
         """Compiles scoring and training at each image size on random batches of `candidates` images, then puts
         the proxy back as it was (weights, BN statistics, no gradients; its optimizer has not stepped)."""
-        saved = {k: v.clone() for k, v in self.model.state_dict().items()}
-        gen = torch.Generator(device=self.device).manual_seed(0)
-        y = torch.randint(0, 10, (candidates,), device=self.device, generator=gen)
-        for size in sorted(set(sizes)):
-            x = torch.randn(candidates, 3, size, size, device=self.device, generator=gen)
-            x = x.to(tb.DTYPES[self.precision]).to(memory_format=torch.channels_last)
-            for train in (False, True):
-                losses = self.losses(x, y, train)
-                if train:
-                    losses.mean().backward()
-        if hasattr(self.opt, "warm_up"):  # a compiled Muon (--optimizer muon)
-            self.opt.warm_up()
-        self.model.zero_grad(set_to_none=True)
-        self.model.load_state_dict(saved)
+        with left_as_it_was(self.model):
+            for x, y in warm_up_batches(candidates, sizes, self.precision, self.device):
+                for train in (False, True):
+                    losses = self.losses(x, y, train)
+                    if train:
+                        losses.mean().backward()
+            if hasattr(self.opt, "warm_up"):  # a compiled Muon (--optimizer muon)
+                self.opt.warm_up()
 
     def losses(self, x, y, train):
         """Each candidate's loss in train mode (batch statistics), with gradients if it will train on them."""
