@@ -7,13 +7,13 @@
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh smoke                                # first: a CUDA check
 #   DATA=... OUT=... PRESET=fast96 RUNS=8 bash benchmarks/gpu_session.sh screen    # variants, paired seeds
 #
-# smoke trains every record preset for one epoch on random data of CIFAR-10's size, compiled: it finds a
-# CUDA-only failure while the data set is still on its way, gives each preset's compile and epoch times (to size
-# the runs below) and leaves the compiled kernels in /tmp/inductor for the real runs (the device machine keeps
-# /tmp while it stays warm, but gets a fresh copy of the repo, ignored files gone, at every call: carry the data
-# set's parts one per call and copy each to /tmp). Run counts: N94, N95, N96, NTRICKS (default 20, 5, 5, 5; 0
-# skips one); COMPILE_MODE: torch.compile's mode (train_cifar's --compile-mode); EXTRAS=1 adds the GPU runs of
-# the closed issues' presets if time is left.
+# smoke trains every record preset for one epoch on random data of CIFAR-10's size, compiled: it finds a CUDA-only
+# failure while the data set is still on its way, gives each preset's compile and epoch times (to size the runs
+# below) and leaves the compiled kernels in /tmp/inductor for the real runs (the device machine keeps /tmp while it
+# stays warm, but gets a fresh copy of the repo, ignored files gone, at every call: carry the data set's parts one
+# per call and copy each to /tmp). Run counts: N94, N95, N96, NTRICKS (default 20, 5, 5, 5; 0 skips one; N94_GRAPHS
+# runs fast94 under CUDA graphs too); SMOKE: the smoke's preset[:mode] list; COMPILE_MODE: torch.compile's mode
+# (train_cifar's --compile-mode); EXTRAS=1 adds the GPU runs of the closed issues' presets if time is left.
 # GIT_COMMIT names the commit in the logs where the tree has no .git. Then: tar -xzf gpu-logs.tar.gz -C logs/
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,12 +41,15 @@ np.savez("/tmp/random-cifar.npz", train_x=rng.integers(0, 256, (50000, 32, 32, 3
          train_y=np.arange(50000) % 10, test_x=rng.integers(0, 256, (10000, 32, 32, 3), dtype=np.uint8),
          test_y=np.arange(10000) % 10)
 EOF
-    for p in fast94 fast95 fast96; do  # fast94's second run shows what a later run's warm-up costs
-        step "smoke-$p" 150 python train_cifar.py --preset $p --data /tmp/random-cifar.npz --device cuda \
-            --compile true --runs "$([ $p = fast94 ] && echo 2 || echo 1)" --stop-after-epochs 1 --log-dir "$LOGS"
+    # SMOKE: preset[:compile mode] items; fast94's second run shows what a later run's warm-up costs
+    for item in ${SMOKE:-fast94 fast95 fast96 fast94:reduce-overhead}; do
+        p=${item%%:*}; mode=${item#"$p"}; mode=${mode#:}
+        step "smoke-$item" 150 python train_cifar.py --preset "$p" --data /tmp/random-cifar.npz --device cuda \
+            --compile true --compile-mode "${mode:-default}" --runs "$([ "$p" = fast94 ] && echo 2 || echo 1)" \
+            --stop-after-epochs 1 --log-dir "$LOGS"
     done
-    step smoke-resnet9-tricks 60 python train_cifar.py --preset resnet9-tricks --data /tmp/random-cifar.npz \
-        --device cuda --runs 1 --stop-after-epochs 1 --log-dir "$LOGS"
+    [ -n "${SMOKE:-}" ] || step smoke-resnet9-tricks 60 python train_cifar.py --preset resnet9-tricks \
+        --data /tmp/random-cifar.npz --device cuda --runs 1 --stop-after-epochs 1 --log-dir "$LOGS"
     echo "done $(date -u +%H:%M:%S)" | tee -a "$REPORT"
     exit
 fi
@@ -72,6 +75,8 @@ preset() {  # preset NAME RUNS SECONDS ARGS...: a step of RUNS runs of a record 
 }
 # 1. fast94 (#3): n = 20, compiled outside the timer.
 preset fast94 "${N94:-20}" 300 --compile true "${MODE[@]}"
+# 1b. fast94 with CUDA graphs (torch.compile's reduce-overhead), when N94_GRAPHS asks for it.
+preset fast94 "${N94_GRAPHS:-0}" 300 --compile true --compile-mode reduce-overhead
 # 2. fast95 and fast96 (#3): n = 5 each.
 preset fast95 "${N95:-5}" 200 --compile true "${MODE[@]}"
 preset fast96 "${N96:-5}" 300 --compile true "${MODE[@]}"
