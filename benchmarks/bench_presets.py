@@ -56,6 +56,8 @@ def measure(preset, device, steps, repeats, compile=False, overrides=None, break
     aug = tb.draw_augmentation(N_TRAIN, pad, cfg["cutout"], cfg["flip"] != "none", gen, device)
     sync = tb.synchronizer(device)
     proxy = train_cifar.Proxy(cfg, None, None, device, precision) if cfg["select_fraction"] < 1 else None
+    if proxy is not None and compile:  # as a run does: else the proxy's training compiles inside the timed steps
+        proxy.warm_up(drawn, set(cfg["train_sizes"]) | {train_cifar.IMAGE_SIZE})  # (fast96: 55 ± 76 ms a step)
     proxy_calls = [0]  # over warm-up and repeats, so a proxy_every-th of the timed steps train it
     losses = []  # a fast step is worth nothing if it computes NaN (as compiled resnet18 did on a CPU)
 
