@@ -502,7 +502,8 @@ def warm_up_compile(cfg, model, device, precision, world, opt=None):
                     if uses_cuda_graphs(cfg):
                         torch.compiler.cudagraph_mark_step_begin()
                     # no accumulation into the last backward's .grad: under CUDA graphs that memory is overwritten
-                    # by the next replay (the H200 failed so at 3a9ff96, "accessing tensor output of CUDAGraphs")
+                    # by the next replay (the H200 failed so at 3a9ff96, "accessing tensor output of CUDAGraphs";
+                    # pytorch/pytorch#169545 is this failure with gradient accumulation)
                     model.zero_grad(set_to_none=True)
                     forward_loss(cfg, make_step_fn(cfg, model, world), x, y, precision, device)[1].backward()
             if hasattr(opt, "warm_up"):
