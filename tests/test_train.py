@@ -1,3 +1,4 @@
+import collections
 import json
 import os
 import subprocess
@@ -453,3 +454,31 @@ def test_compiled_bf16_gradients_match_eager(preset):
         compiled_errs.append(float((compiled.grad - ref.grad).norm() / ref.grad.norm()))
     # per tensor, bf16's error in these tiny nets is 10-50% either way; over all tensors it is steady
     assert np.mean(compiled_errs) <= 1.5 * np.mean(eager_errs) + 0.02, (np.mean(compiled_errs), np.mean(eager_errs))
+
+
+HOST_READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+@pytest.mark.parametrize("preset", ["fast94", "fast94-sgd", "fast96"])
+def test_the_training_steps_never_read_a_tensor_on_the_host(monkeypatch, preset):
+    """On a GPU every read of a tensor's value from Python (.item(), bool(t), ...) waits for the queue to drain:
+    the steps must make none, only the per-epoch summary and the evaluation. So the count of reads over a run
+    must not grow with the steps in an epoch (4 against 16 here)."""
+    reads = collections.Counter()
+    for name in HOST_READS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            reads[_name] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    kw = dict(widths=(8, 16, 16), batch_size=64, epochs=2, precision="fp32", tta=0, log_dir=None)
+    if preset == "fast96":
+        kw.update(widths=(8, 16, 16), proxy_widths=(8, 8, 8))
+    counts = []
+    for n_train in (256, 1024):
+        reads.clear()
+        train_cifar.train(preset, data=synthetic(n_train, 100), log=lambda *a: None, **kw)
+        counts.append(dict(reads))
+    assert counts[0] == counts[1], f"reads from the host grow with the steps: {counts}"
