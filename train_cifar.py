@@ -134,8 +134,8 @@ PRESETS = {
     # (0.246 PF): 93.98 ± 0.11% (logs/fast94-20261202-043035-5697 ...-050222-6486). Seed by seed this form is
     # +0.23 ± 0.08 and +0.12 ± 0.02 points above them (mean ± standard error). One 32 px epoch fewer and one
     # 24 px more (0.248 PF, under the 0.25 stretch): 93.98 ± 0.13% over n=10 (logs/fast94-20261202-065316-14085,
-    # -115504-32494), -0.14 ± 0.05 per seed; 94.00 ± 0.14% over n=15 with seeds 10-14 (-20261204-172221-6033); 20, 20, 24 x4, 28, 28, 32, 32 px (0.224 PF): 93.62% (seed 0,
-    # logs/fast94-20261202-062030-13630).
+    # -115504-32494), -0.14 ± 0.05 per seed; 94.00 ± 0.14% over n=15 with seeds 10-14 (-20261204-172221-6033);
+    # 20, 20, 24 x4, 28, 28, 32, 32 px (0.224 PF): 93.62% (seed 0, logs/fast94-20261202-062030-13630).
     # Data selection (the 2,000 of 2,857 candidates a 32/64/64 proxy finds hardest, 0.197 PF): 93.97 ± 0.13%
     # (logs/fast94-20261202-083239-23290), 383 ± 14 s, -0.13 ± 0.06 per seed; with an 11th epoch (0.224 PF) the
     # same 93.97 ± 0.15% (logs/fast94-20261202-092212-24306); scored by the net's own last loss instead (0.180 PF)
@@ -465,6 +465,16 @@ def uses_cuda_graphs(cfg):
     return cfg["compile"] and cfg["compile_mode"] == "reduce-overhead"
 
 
+def forward_backward(cfg, model, step_fn, x, y, precision, device):
+    """A training step without its update (to compile or time it): on fresh gradients, since under CUDA graphs
+    the last backward's .grad is overwritten by the next replay (accumulating into it failed on the H200 at
+    3a9ff96, "accessing tensor output of CUDAGraphs"; pytorch/pytorch#169545 is this failure)."""
+    if uses_cuda_graphs(cfg):
+        torch.compiler.cudagraph_mark_step_begin()
+    model.zero_grad(set_to_none=True)
+    forward_loss(cfg, step_fn, x, y, precision, device)[1].backward()
+
+
 def warm_up_batches(n, sizes, precision, device):
     """Random batches of n images (labels too) at each image size, to compile on: each size is another graph.
     From a generator of their own, so the run's random streams are left alone."""
@@ -496,16 +506,11 @@ def warm_up_compile(cfg, model, device, precision, world, opt=None):
         for grad in whiten_states:
             if grad is not None:
                 model.whiten.bias.requires_grad_(grad)
+            step_fn = make_step_fn(cfg, model, world)  # after the change: DDP wraps the parameters that train
             for x, y in batches:
                 # CUDA graphs are recorded at a graph's second or third call, not its first
                 for _ in range(3 if uses_cuda_graphs(cfg) else 1):
-                    if uses_cuda_graphs(cfg):
-                        torch.compiler.cudagraph_mark_step_begin()
-                    # no accumulation into the last backward's .grad: under CUDA graphs that memory is overwritten
-                    # by the next replay (the H200 failed so at 3a9ff96, "accessing tensor output of CUDAGraphs";
-                    # pytorch/pytorch#169545 is this failure with gradient accumulation)
-                    model.zero_grad(set_to_none=True)
-                    forward_loss(cfg, make_step_fn(cfg, model, world), x, y, precision, device)[1].backward()
+                    forward_backward(cfg, model, step_fn, x, y, precision, device)
             if hasattr(opt, "warm_up"):
                 opt.warm_up()
         if before is not None:

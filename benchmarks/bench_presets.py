@@ -90,13 +90,9 @@ def measure(preset, device, steps, repeats, compile=False, overrides=None, break
     if breakdown:  # each part of a full-size step alone, synchronised: what the step's time is made of
         side = sizes[-1]
         x, y = batch(0, drawn, side)
-        def forward_backward(i):  # as train_step does it: fresh gradients (CUDA graphs overwrite the last ones)
-            if train_cifar.uses_cuda_graphs(cfg):
-                torch.compiler.cudagraph_mark_step_begin()
-            model.zero_grad(set_to_none=True)
-            train_cifar.forward_loss(cfg, step_fn, x[:bs], y[:bs], precision, device)[1].backward()
-
-        parts = dict(batch=lambda i: batch(i, drawn, side), forward_backward=forward_backward,
+        parts = dict(batch=lambda i: batch(i, drawn, side),
+                     forward_backward=lambda i: train_cifar.forward_backward(cfg, model, step_fn, x[:bs], y[:bs],
+                                                                             precision, device),
                      optimizer=lambda i: opt.step())
         result["seconds_by_part"] = {name: time_steps(fn, sync, steps, repeats, warm_up=2)
                                      for name, fn in parts.items()}
