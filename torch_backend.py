@@ -2,6 +2,7 @@
 optimizer, FLOPs."""
 import contextlib
 import glob
+import math
 import os
 import pickle
 import tarfile
@@ -263,6 +264,38 @@ def cpu_has_bf16():
 
 
 DTYPES = dict(fp32=torch.float32, bf16=torch.bfloat16, fp16=torch.float16)
+
+
+class FixedLossScale:
+    """fp16's loss scaling without a read on the host every step (torch.amp.GradScaler reads its overflow flag in
+    each step(), so the host waits for the GPU there): the loss is multiplied by a fixed factor and the gradients
+    divided by it before the update; with a power of two both are exact. Myrtle's and airbench's fp16 scripts do
+    the same implicitly, summing the loss over the batch instead of averaging it. A step that overflows is not
+    skipped: its inf or NaN reaches the weights and the training loss, which the trainer checks once an epoch.
+    The interface is GradScaler's (scale, step, update, state_dict, load_state_dict)."""
+
+    def __init__(self, factor):
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"a loss scale must be a positive number, got {factor}")
+        self.factor = float(factor)
+
+    def scale(self, loss):
+        return loss * self.factor
+
+    def step(self, opt):
+        grads = [p.grad for group in opt.param_groups for p in group["params"] if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, 1 / self.factor)  # one kernel for all of them on a GPU
+        return opt.step()
+
+    def update(self):
+        pass  # fixed: nothing to adapt
+
+    def state_dict(self):
+        return dict(fixed_factor=self.factor)
+
+    def load_state_dict(self, state):
+        pass  # the factor comes from the run's configuration, which a checkpoint must match
 
 
 def autocast(precision, device):

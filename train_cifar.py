@@ -33,6 +33,11 @@ COMMON = dict(
     tta_confidence=0.0,  # > 0: the final evaluation's extra TTA views only for images predicted below it (tb.predict)
     whiten_bias_epochs=0, lookahead_start_epoch=-1, lookahead_every=5, lookahead_decay=0.95, lookahead_pow=3.0,
     lookahead_sync="epoch",  # copy the lookahead average into the net at every epoch end (airbench94) or the "end"
+    # fp16 only. "batch": the loss times the batch size (rounded down to a power of two, so exact), the
+    # gradients divided by it before the update, fixed: no read on the host per step (tb.FixedLossScale; airbench
+    # and Myrtle sum the loss over the batch, the same scale). "dynamic": torch.amp.GradScaler, which skips steps
+    # that overflow but reads a flag on the host every step. Or a number: that fixed factor.
+    loss_scale="batch",
     compile=False, widths=(),
     # torch.compile's mode for the net with --compile: "default", or "reduce-overhead" (CUDA graphs: the step's
     # kernels replayed in one launch) or "max-autotune-no-cudagraphs" (kernel choices timed while compiling)
@@ -226,6 +231,25 @@ MIN_TRAIN_SIZE = 16  # below this the nets' three or four 2x poolings leave no m
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
 
 
+def positive_number(text):
+    try:
+        return math.isfinite(float(text)) and float(text) > 0
+    except (TypeError, ValueError):
+        return False
+
+
+def make_loss_scaler(cfg, precision, device):
+    """What scales the training loss before its backward pass: nothing (a disabled GradScaler) unless in fp16;
+    there, as COMMON's loss_scale says."""
+    if precision != "fp16":
+        return torch.amp.GradScaler(device.type, enabled=False)
+    if cfg["loss_scale"] == "dynamic":
+        return torch.amp.GradScaler(device.type)
+    if cfg["loss_scale"] == "batch":
+        return tb.FixedLossScale(2 ** int(math.log2(cfg["batch_size"])))
+    return tb.FixedLossScale(float(cfg["loss_scale"]))
+
+
 def check_config(cfg):
     """Impossible options are errors here, before any data is touched."""
     def need(ok, msg):
@@ -261,6 +285,8 @@ def check_config(cfg):
     need(cfg["tta"] in (0, 1, 2), "tta must be 0 (none), 1 (mirror) or 2 (mirror + translate)")
     need(0 <= cfg["tta_confidence"] <= 1, "tta-confidence must be in [0, 1] (0: TTA on every image)")
     need(cfg["precision"] in ("auto", "fp32", "bf16", "fp16"), "precision must be auto, fp32, bf16 or fp16")
+    need(cfg["loss_scale"] in ("batch", "dynamic") or positive_number(cfg["loss_scale"]),
+         f"loss-scale must be batch, dynamic or a positive number, got {cfg['loss_scale']!r}")
     need(cfg["eval_every"] >= 0, "eval-every must be >= 0 (0: only at the end)")
     need(cfg["lookahead_sync"] in ("epoch", "end"), "lookahead-sync must be epoch or end")
     need(cfg["stop_after_epochs"] >= 0, "stop-after-epochs must be >= 0 (0: the whole schedule)")
@@ -590,7 +616,7 @@ class Proxy:
         self.model = build_model(self.cfg, device, data["train_x"] if data else None, generator)
         self.model.whiten.bias.requires_grad_(False)
         self.opt = make_optimizer(self.cfg, self.model)
-        self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+        self.scaler = make_loss_scaler(self.cfg, precision, device)
         self.loss = torch.zeros((), device=device)  # the last training step's, checked once an epoch
         # with --compile: one graph for scoring (no gradients) and one for training, per image size; warm_up
         # builds them outside the timer. Eager on a GPU, this small net's step is mostly kernel launches.
@@ -742,7 +768,7 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
     timer = core.Timer(sync)
     model = build_model(cfg, device, data["train_x"], gen)  # the whitening is fitted to data: timed
     opt = make_optimizer(cfg, model)
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    scaler = make_loss_scaler(cfg, precision, device)
     if cfg["bn_group_size"]:
         parallel.convert_bn(model, cfg["bn_group_size"])
     if world > 1 and cfg["sync_bn_group_size"]:

@@ -40,6 +40,7 @@ def tiny_npz(tmp_path, tiny):
     (["--train-sizes", "12", "32"], "train-sizes must be whole numbers of pixels in 16..32"),
     (["--tta-confidence", "1.5"], "tta-confidence must be in [0, 1]"),
     (["--cpu-conv", "winograd"], "cpu-conv must be one of auto, matmul, onednn"),
+    (["--loss-scale", "-8"], "loss-scale must be batch, dynamic or a positive number"),
 ])
 def test_bad_options_exit_2_with_one_line(tiny_npz, args, message):
     r = cli("--data", tiny_npz, "--log-dir", "", *args)
@@ -459,11 +460,9 @@ def test_compiled_bf16_gradients_match_eager(preset):
 HOST_READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__")
 
 
-@pytest.mark.parametrize("preset", ["fast94", "fast94-sgd", "fast96"])
-def test_the_training_steps_never_read_a_tensor_on_the_host(monkeypatch, preset):
-    """On a GPU every read of a tensor's value from Python (.item(), bool(t), ...) waits for the queue to drain:
-    the steps must make none, only the per-epoch summary and the evaluation. So the count of reads over a run
-    must not grow with the steps in an epoch (4 against 16 here)."""
+@pytest.fixture
+def host_reads(monkeypatch):
+    """Counts, by kind, every read of a tensor's value from Python while the test runs."""
     reads = collections.Counter()
     for name in HOST_READS:
         original = getattr(torch.Tensor, name)
@@ -473,12 +472,65 @@ def test_the_training_steps_never_read_a_tensor_on_the_host(monkeypatch, preset)
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
+    return reads
+
+
+@pytest.mark.parametrize("preset", ["fast94", "fast94-sgd", "fast96"])
+def test_the_training_steps_never_read_a_tensor_on_the_host(host_reads, preset):
+    """On a GPU every read of a tensor's value from Python (.item(), bool(t), ...) waits for the queue to drain:
+    the steps must make none, only the per-epoch summary and the evaluation. So the count of reads over a run
+    must not grow with the steps in an epoch (4 against 16 here)."""
     kw = dict(widths=(8, 16, 16), batch_size=64, epochs=2, precision="fp32", tta=0, log_dir=None)
     if preset == "fast96":  # its proxy, small too (its candidates: 2 against 8 steps an epoch)
         kw.update(proxy_widths=(8, 8, 8))
     counts = []
     for n_train in (256, 1024):
-        reads.clear()
+        host_reads.clear()
         train_cifar.train(preset, data=synthetic(n_train, 100), log=lambda *a: None, **kw)
-        counts.append(dict(reads))
+        counts.append(dict(host_reads))
     assert counts[0] == counts[1], f"reads from the host grow with the steps: {counts}"
+
+
+def weights_after_steps(cfg, scaler, steps, reads=None):
+    """A small net's weights after `steps` fp32 training steps from seed 0 with this loss scaler; reads (a
+    host_reads counter) is cleared after the first step, which may set up state."""
+    dev = torch.device("cpu")
+    torch.manual_seed(0)
+    model = train_cifar.build_model(cfg, dev)
+    opt = train_cifar.make_optimizer(cfg, model)
+    train_cifar.set_lr(opt, 0.5)
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        x = torch.randn(32, 3, 32, 32, generator=g).contiguous(memory_format=torch.channels_last)
+        y = torch.randint(0, 10, (32,), generator=g)
+        train_cifar.train_step(cfg, model, opt, x, y, "fp32", dev, scaler)
+        if step == 0 and reads is not None:
+            reads.clear()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("preset", ["fast94", "fast94-sgd"])  # Muon for the filters, and SGD throughout
+def test_a_fixed_loss_scale_trains_exactly_as_no_scale(preset):
+    """fp16's fixed loss scale multiplies the loss by a power of two and divides the gradients by it: exact in
+    binary floating point, so (in fp32 here) the weights after a few steps are the unscaled run's, bit for bit."""
+    cfg = train_cifar.make_config(preset, widths=(8, 16, 16), precision="fp32")
+    plain = weights_after_steps(cfg, torch.amp.GradScaler("cpu", enabled=False), 3)
+    scaled = weights_after_steps(cfg, tb.FixedLossScale(1024.0), 3)
+    assert all(torch.equal(plain[k], scaled[k]) for k in plain), [k for k in plain if not torch.equal(plain[k], scaled[k])]
+
+
+@pytest.mark.parametrize("loss_scale, reads_each_step", [("batch", False), ("64", False), ("dynamic", True)])
+def test_fp16s_fixed_loss_scale_never_reads_a_tensor_on_the_host(host_reads, loss_scale, reads_each_step):
+    """fp16's default loss scale is fixed, the batch size rounded down to a power of two (fast94's 2000: 1024),
+    so its steps read nothing on the host; PyTorch's dynamic GradScaler reads its overflow flag in every step
+    (its scaler is used here on an fp32 CPU step: fp16 itself is for CUDA)."""
+    cfg = train_cifar.make_config("fast94", widths=(8, 16, 16), loss_scale=loss_scale)
+    scaler = train_cifar.make_loss_scaler(cfg, "fp16", torch.device("cpu"))
+    if not reads_each_step:
+        assert scaler.factor == (1024 if loss_scale == "batch" else 64)
+    counts = []
+    for steps in (2, 5):
+        weights_after_steps(cfg, scaler, steps, host_reads)
+        counts.append(sum(host_reads.values()))
+    assert (counts[1] > counts[0]) == reads_each_step, counts
+    assert not train_cifar.make_loss_scaler(cfg, "bf16", torch.device("cpu")).is_enabled()
