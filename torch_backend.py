@@ -533,7 +533,7 @@ def resnet9(widths=(64, 128, 256, 512), head_scale=0.125):
         conv_bn(w0, w1), nn.MaxPool2d(2), Residual(conv_bn(w1, w1), conv_bn(w1, w1)),
         conv_bn(w1, w2), nn.MaxPool2d(2),
         conv_bn(w2, w3), nn.MaxPool2d(2), Residual(conv_bn(w3, w3), conv_bn(w3, w3)),
-        nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(w3, NUM_CLASSES, bias=False), Scale(head_scale))
+        GlobalMaxPool(), nn.Flatten(), nn.Linear(w3, NUM_CLASSES, bias=False), Scale(head_scale))
 
 
 class PreActBlock(nn.Module):
@@ -554,13 +554,25 @@ class PreActBlock(nn.Module):
         return skip + self.conv2(F.relu(self.bn2(self.conv1(a))))
 
 
+def global_max_pool(x):
+    """(N, C, H, W) -> (N, C, 1, 1): the max over each map, as one max-pool window the size of the map. Not amax: torch
+    2.13's inductor (CPU) compiles amax's backward after a BN or a residual sum in bf16 into NaN gradients
+    (tests/test_train.py checks the compiled net's gradients). Not adaptive_max_pool2d, the same sums: its CUDA
+    backward scatters with atomic adds, 0.31 ms of fast94's 7.1 ms of kernels a step on an H200 in bf16
+    (logs/gpu-session-20261204-1630.txt), where max_pool2d's backward gathers."""
+    return F.max_pool2d(x, x.shape[-2:])
+
+
+class GlobalMaxPool(nn.Module):
+    def forward(self, x):
+        return global_max_pool(x)
+
+
 class ConcatPool(nn.Module):
-    """Global average and max pooling side by side: (N, C, H, W) -> (N, 2C). The max is adaptive_max_pool2d,
-    not amax: torch 2.13's inductor (CPU) compiles amax's backward after a BN or a residual sum in bf16 into NaN
-    gradients (tests/test_train.py checks the compiled net's gradients)."""
+    """Global average and max pooling side by side: (N, C, H, W) -> (N, 2C)."""
 
     def forward(self, x):
-        return torch.cat([x.mean((2, 3)), F.adaptive_max_pool2d(x, 1).flatten(1)], dim=1)
+        return torch.cat([x.mean((2, 3)), global_max_pool(x).flatten(1)], dim=1)
 
 
 def preact_resnet18(prep_bn_relu=False, widths=(64, 128, 256, 256)):
@@ -617,7 +629,7 @@ class ResNet9Tricks(nn.Module):
             block(w0, w1, pool=True), Residual(block(w1, w1), block(w1, w1)),
             block(w1, w2, pool=True),
             block(w2, w3, pool=True), Residual(block(w3, w3), block(w3, w3)),
-            nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(w3, NUM_CLASSES, bias=False), Scale(head_scale))
+            GlobalMaxPool(), nn.Flatten(), nn.Linear(w3, NUM_CLASSES, bias=False), Scale(head_scale))
 
     def init_whitening(self, images_nchw):
         with torch.no_grad():  # eps 1e-2 as in Myrtle's post: the smallest eigenvalues are not blown up
@@ -667,8 +679,7 @@ class FastNet(nn.Module):
 
     def forward(self, x):
         x = self.blocks(F.gelu(self.whiten(x)))
-        x = F.adaptive_max_pool2d(x, 1).flatten(1)
-        return self.head(x) * self.head_scale
+        return self.head(global_max_pool(x).flatten(1)) * self.head_scale
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -177,3 +177,24 @@ def test_shifted_views_weights_and_the_6_views_of_tta_2():
     assert [w for _, w in got] == [0.25, 0.25, 0.125, 0.125, 0.125, 0.125]
     for (v, _), w in zip(got, want):
         torch.testing.assert_close(v, w, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("side", [2, 3, 4])  # fast94's last maps at 20-24 px and at 32 px, resnet9's
+def test_global_max_pool_takes_each_maps_max_and_routes_its_gradient_there(side):
+    """Against a per-map loop in float64: the output is each map's largest value, and the gradient reaches only
+    that position (the first of equal ones)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 4, side, side, generator=gen, dtype=torch.float64)
+    x[0, 0] = 1.0  # a tie: the gradient goes to the first position in row-major order, as max_pool2d's does
+    x.requires_grad_(True)
+    grad_out = torch.randn(5, 4, 1, 1, generator=gen, dtype=torch.float64)
+    out = tb.global_max_pool(x)
+    out.backward(grad_out)
+    for n in range(5):
+        for c in range(4):
+            flat = x[n, c].detach().flatten()
+            first = int(torch.argmax((flat == flat.max()).int()))
+            assert out[n, c, 0, 0] == flat.max()
+            expected = torch.zeros_like(flat)
+            expected[first] = grad_out[n, c, 0, 0]
+            assert torch.equal(x.grad[n, c].flatten(), expected)
