@@ -693,17 +693,36 @@ NEWTON_SCHULZ_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 def newton_schulz(g, steps=5, eps=1e-7):
     """Approximately the orthogonal polar factor U V^T of the matrix g = U S V^T (singular vectors kept, every
-    singular value pushed towards 1), by matrix products only. Works on the wide orientation, where X X^T is
-    the smaller Gram matrix."""
+    singular value pushed towards 1), by matrix products only; g may be a batch of matrices (..., rows, cols).
+    Works on the wide orientation, where X X^T is the smaller Gram matrix."""
     a, b, c = NEWTON_SCHULZ_COEFFICIENTS
-    x = g / (torch.linalg.matrix_norm(g) + eps)  # Frobenius norm 1, so every singular value is <= 1
-    tall = x.shape[0] > x.shape[1]
+    x = g / (torch.linalg.matrix_norm(g, keepdim=True) + eps)  # Frobenius norm 1, so every singular value <= 1
+    tall = x.shape[-2] > x.shape[-1]
     if tall:
-        x = x.T
+        x = x.mT
     for _ in range(steps):
-        gram = x @ x.T
+        gram = x @ x.mT
         x = a * x + (b * gram + c * gram @ gram) @ x
-    return x.T if tall else x
+    return x.mT if tall else x
+
+
+def newton_schulz_grouped(mats, steps=5):
+    """newton_schulz of each matrix, those with the same shorter side as one batch (their longer sides zero-padded
+    to the group's longest), so each product of the iteration is one batched matmul per group instead of one per
+    matrix: on a GPU a step's dozens of small products cost more to launch than to run. The padding is exact:
+    [X 0] has X's Frobenius norm and orthogonalises to [O(X) 0]."""
+    wide = [m.mT if m.shape[0] > m.shape[1] else m for m in mats]
+    groups = {}
+    for i, m in enumerate(wide):
+        groups.setdefault(m.shape[0], []).append(i)
+    out = [None] * len(mats)
+    for members in groups.values():
+        cols = max(wide[i].shape[1] for i in members)
+        batch = torch.stack([F.pad(wide[i], (0, cols - wide[i].shape[1])) for i in members])
+        for i, o in zip(members, newton_schulz(batch, steps)):
+            o = o[:, :wide[i].shape[1]]
+            out[i] = o.mT if mats[i].shape[0] > mats[i].shape[1] else o
+    return out
 
 
 def closure_loss(closure):
@@ -723,6 +742,7 @@ def muon_update(params, grads, bufs, norms, lr, momentum, nesterov, weight_decay
     step, which makes the first buffer the gradient itself). lr: a number, or a 0-d tensor on the device where the
     update is compiled (a new LR then needs no new graph). norms: each orthogonalised weight's target Frobenius
     norm, or None; scales: sqrt(max(1, rows / cols)) per weight."""
+    orthogonalised = []  # (weight, its update, norm, scale), orthogonalised together below
     for p, g, buf, norm, scale in zip(params, grads, bufs, norms, scales):
         ortho = orthogonalize and p.ndim >= 2
         if weight_decay and not ortho:
@@ -730,11 +750,13 @@ def muon_update(params, grads, bufs, norms, lr, momentum, nesterov, weight_decay
         if momentum:
             buf.mul_(momentum).add_(g)
             g = g.add(buf, alpha=momentum) if nesterov else buf
-        if not ortho:
+        if ortho:
+            orthogonalised.append((p, g, norm, scale))
+        else:
             p.sub_(g * lr) if isinstance(lr, torch.Tensor) else p.sub_(g, alpha=lr)
-            continue
-        rows = p.shape[0]
-        update = newton_schulz(g.reshape(rows, p.numel() // rows).float(), ns_steps).view_as(p).to(p.dtype)
+    updates = newton_schulz_grouped([g.reshape(p.shape[0], -1).float() for p, g, _, _ in orthogonalised], ns_steps)
+    for (p, _, norm, scale), update in zip(orthogonalised, updates):
+        update = update.reshape(p.shape).to(p.dtype)
         if weight_decay:
             p.mul_(1 - lr * weight_decay)
         p.sub_(update * (lr * scale)) if isinstance(lr, torch.Tensor) else p.sub_(update, alpha=lr * scale)
@@ -831,11 +853,11 @@ class Muon(torch.optim.Optimizer):
         """FLOPs of one step's Newton-Schulz products (counted, like the net's), for the run's FLOP total."""
         total = 0
         for group in self.param_groups:
-            for p in group["params"] if group["orthogonalize"] else []:
-                if p.requires_grad and p.ndim >= 2:
-                    shape = (p.shape[0], p.numel() // p.shape[0])
-                    # on the meta device: shapes alone give the count, nothing is computed
-                    total += count_flops(lambda: newton_schulz(torch.ones(shape, device="meta"), group["ns_steps"]))
+            if group["orthogonalize"]:
+                # on the meta device: shapes alone give the count (padding included), nothing is computed
+                mats = [torch.ones(p.shape[0], p.numel() // p.shape[0], device="meta") for p in group["params"]
+                        if p.requires_grad and p.ndim >= 2]
+                total += count_flops(lambda: newton_schulz_grouped(mats, group["ns_steps"]))
         return total
 
 

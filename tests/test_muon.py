@@ -27,6 +27,18 @@ def test_newton_schulz_equals_the_singular_value_polynomial(shape):
     np.testing.assert_allclose(out.numpy(), newton_schulz_reference(g.numpy()), atol=2e-5)
 
 
+def test_grouped_newton_schulz_equals_each_matrix_on_its_own():
+    """Matrices of mixed shapes (wide, tall, square; fast94's filters are 64 x 216, 64 x 576, 256 x 576 and
+    3 x 256 x 2304 here scaled down) orthogonalised in padded batches: each as the singular-value reference."""
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(8, 27), (8, 72), (32, 72), (32, 288), (32, 288), (40, 16), (24, 24), (16, 8)]
+    mats = [torch.randn(*s, generator=gen, dtype=torch.float64) for s in shapes]
+    for m, o in zip(mats, tb.newton_schulz_grouped(mats, 3)):
+        assert o.shape == m.shape
+        np.testing.assert_allclose(o.numpy(), tb.newton_schulz(m, 3).numpy(), atol=1e-12)
+        np.testing.assert_allclose(o.numpy(), newton_schulz_reference(m.numpy(), 3), atol=1e-7)  # eps: ~1e-9
+
+
 def test_newton_schulz_pushes_singular_values_towards_one():
     # singular values 0.1 ... 10, so the smallest is 1/200 of the Frobenius norm: it ends near 0.7 like the rest;
     # one at 1/5000 of the norm grows ~480x in 5 steps and stays well below
@@ -89,10 +101,15 @@ def test_muon_groups_without_orthogonalisation_are_exactly_sgd():
 
 
 def test_muon_update_flops_match_the_matmul_count():
+    """Per Newton-Schulz step and matrix: the gram (r x c by c x r), its square, and that times the matrix; a
+    matrix padded into a group with a longer one counts at the padded size, as computed."""
     w = torch.nn.Parameter(torch.zeros(16, 8, 3, 3))  # 16 x 72: gram 16x16
     opt = tb.Muon([dict(params=[w], orthogonalize=True), dict(params=[torch.nn.Parameter(torch.zeros(3))])], lr=0.1)
     r, c = 16, 72
     assert opt.update_flops() == 5 * (2 * r * r * c + 2 * r * r * r + 2 * r * r * c)
+    padded = torch.nn.Parameter(torch.zeros(16, 4, 3, 3))  # 16 x 36, batched with the 16 x 72 one
+    opt = tb.Muon([dict(params=[w, padded], orthogonalize=True, ns_steps=3)], lr=0.1)
+    assert opt.update_flops() == 2 * 3 * (2 * r * r * c + 2 * r * r * r + 2 * r * r * c)
 
 
 def test_train_with_muon_orthogonalises_the_filters_and_counts_their_flops():
