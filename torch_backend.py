@@ -555,11 +555,11 @@ class PreActBlock(nn.Module):
 
 
 def global_max_pool(x):
-    """(N, C, H, W) -> (N, C, 1, 1): the max over each map, as one max-pool window the size of the map. Not amax: torch
-    2.13's inductor (CPU) compiles amax's backward after a BN or a residual sum in bf16 into NaN gradients
-    (tests/test_train.py checks the compiled net's gradients). Not adaptive_max_pool2d, the same sums: its CUDA
-    backward scatters with atomic adds, 0.31 ms of fast94's 7.1 ms of kernels a step on an H200 in bf16
-    (logs/gpu-session-20261204-1630.txt), where max_pool2d's backward gathers."""
+    """(N, C, H, W) -> (N, C, 1, 1): the max over each map, as one max-pool window the size of the map. Not amax:
+    torch 2.13's inductor (CPU) compiles amax's backward after a BN or a residual sum in bf16 into NaN
+    gradients (tests/test_train.py checks the compiled net's gradients). Not adaptive_max_pool2d, the same
+    sums: its CUDA backward scatters with atomic adds, 0.31 ms of fast94's 7.1 ms of kernels a step on an H200
+    in bf16 (logs/gpu-session-20261204-1630.txt), where max_pool2d's backward gathers."""
     return F.max_pool2d(x, x.shape[-2:])
 
 

@@ -35,8 +35,8 @@ COMMON = dict(
     lookahead_sync="epoch",  # copy the lookahead average into the net at every epoch end (airbench94) or the "end"
     # fp16 only. "batch": the loss times the batch size (rounded down to a power of two, so exact), the
     # gradients divided by it before the update, fixed: no read on the host per step (tb.FixedLossScale; airbench
-    # and Myrtle sum the loss over the batch, the same scale). "dynamic": torch.amp.GradScaler, which skips steps
-    # that overflow but reads a flag on the host every step. Or a number: that fixed factor.
+    # and Myrtle sum the loss over the batch: nearly the same scale). "dynamic": torch.amp.GradScaler, which
+    # skips steps that overflow but reads a flag on the host every step. Or a number: that fixed factor.
     loss_scale="batch",
     compile=False, widths=(),
     # torch.compile's mode for the net with --compile: "default", or "reduce-overhead" (CUDA graphs: the step's
