@@ -140,6 +140,7 @@ PRESETS = {
     # +0.23 ± 0.08 and +0.12 ± 0.02 points above them (mean ± standard error). One 32 px epoch fewer and one
     # 24 px more (0.248 PF, under the 0.25 stretch): 93.98 ± 0.13% over n=10 (logs/fast94-20261202-065316-14085,
     # -115504-32494), -0.14 ± 0.05 per seed; 94.00 ± 0.14% over n=15 with seeds 10-14 (-20261204-172221-6033);
+    # 94.03 ± 0.15% over n=25 with seeds 15-24 (-185935-11561): the 0.25 PF stretch, met by one standard error;
     # 20, 20, 24 x4, 28, 28, 32, 32 px (0.224 PF): 93.62% (seed 0, logs/fast94-20261202-062030-13630).
     # Data selection (the 2,000 of 2,857 candidates a 32/64/64 proxy finds hardest, 0.197 PF): 93.97 ± 0.13%
     # (logs/fast94-20261202-083239-23290), 383 ± 14 s, -0.13 ± 0.06 per seed; with an 11th epoch (0.224 PF) the
