@@ -136,12 +136,13 @@ def plot(summaries, out, x="epoch", references=()):
     ax2.set(xlabel=xlabel, ylabel="training loss", title="training loss (with label smoothing if the recipe has it)")
     for a in (ax, ax2):
         a.grid(alpha=0.3)
-    if n + len(references) <= 10:
+    entries = n + len(references)
+    if entries <= 10:
         for a in (ax, ax2):
             a.legend(fontsize=7)
     else:  # inside the axes, a long legend would hide the curves: one, to the right of both
         fig.set_size_inches(14, 4.8)
-        ax2.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0), ncol=math.ceil((n + len(references)) / 26))
+        ax2.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0), ncol=math.ceil(entries / 26))
     hardware = sorted({s.get("hardware", "?") for s in summaries})
     fig.suptitle("; ".join(hardware), fontsize=8)
     fig.tight_layout()

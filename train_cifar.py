@@ -900,8 +900,8 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
                              fresh=stream.fresh_read))
             if on_epoch:
                 on_epoch(rows[-1])
-            overflow = isinstance(scaler, tb.FixedLossScale)  # fp16's fixed scale has no overflow check
-            fp16_hint = " or --loss-scale dynamic" if overflow else ""
+            # fp16's fixed loss scale skips no overflowing step: GradScaler's would
+            fp16_hint = " or --loss-scale dynamic" if isinstance(scaler, tb.FixedLossScale) else ""
             raise Diverged(f"run {run_index} (seed {seed}) diverged: training loss is {train_loss} at epoch {epoch}; "
                            f"try a lower --lr-values or another --precision{fp16_hint}")
         test_acc = None

@@ -12,8 +12,9 @@
 # below) and leaves the compiled kernels in /tmp/inductor for the real runs (the device machine keeps /tmp while it
 # stays warm, but gets a fresh copy of the repo, ignored files gone, at every call: carry the data set's parts one
 # per call and copy each to /tmp). Run counts: N94, N95, N96, NTRICKS (default 20, 5, 5, 5; 0 skips one; N94_GRAPHS
-# runs fast94 under CUDA graphs too, N96_FP16 fast96 in fp16); SMOKE: the smoke's preset[:mode] list; COMPILE_MODE: torch.compile's mode
-# (train_cifar's --compile-mode); EXTRAS=1 adds the GPU runs of the closed issues' presets if time is left.
+# runs fast94 under CUDA graphs too, N96_FP16 fast96 in fp16); SMOKE: the smoke's preset[:mode] list;
+# COMPILE_MODE: torch.compile's mode (train_cifar's --compile-mode); EXTRAS=1 adds the GPU runs of the closed
+# issues' presets if time is left.
 # GIT_COMMIT names the commit in the logs where the tree has no .git. Then: tar -xzf gpu-logs.tar.gz -C logs/
 set -uo pipefail
 cd "$(dirname "$0")/.."
