@@ -776,20 +776,37 @@ class Muon(torch.optim.Optimizer):
     the function, only how far a step of size lr turns the weight.
     Other tensors (BN biases, the head): exactly torch.optim.SGD (weight decay added to the gradient).
 
-    compiled=True runs each group's update as one torch.compile'd graph: eager, a small net's step is hundreds
-    of tiny kernels, each costing more to launch than to run on a GPU. Call warm_up() before timing: it compiles
-    on copies, leaving the weights and the state alone."""
+    compiled=True runs each group's update as one torch.compile'd graph (in compile_mode): eager, a small net's
+    step is hundreds of tiny kernels, each costing more to launch than to run on a GPU. With compile_mode
+    "reduce-overhead" the graph is also a CUDA graph, replayed in one launch; it updates the momentum buffers in
+    place, which inductor allows only in tensors marked as having fixed addresses (the weights are, as
+    parameters), so the buffers, LR tensors and norms are marked. Call warm_up() after a backward pass, before
+    timing: it compiles (and records) the update on the real tensors, then puts the weights and state back."""
 
     def __init__(self, params, lr, momentum=0.9, nesterov=True, weight_decay=0.0, orthogonalize=False,
-                 ns_steps=5, norm="none", compiled=False):
+                 ns_steps=5, norm="none", compiled=False, compile_mode="default"):
         if lr < 0 or not 0 <= momentum < 1 or weight_decay < 0 or ns_steps < 1 or norm not in MUON_NORMS:
             raise ValueError("Muon needs lr, weight_decay >= 0, momentum in [0, 1), ns_steps >= 1 and norm in "
                              + ", ".join(MUON_NORMS))
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                                       orthogonalize=orthogonalize, ns_steps=ns_steps, norm=norm))
         self.compiled = compiled
-        self._update = torch.compile(muon_update, fullgraph=True, dynamic=False) if compiled else muon_update
+        self.fixed_addresses = compiled and compile_mode == "reduce-overhead"
+        self._update = (torch.compile(muon_update, fullgraph=True, dynamic=False, mode=compile_mode) if compiled
+                        else muon_update)
         self._lr = {}  # compiled: each group's LR as a 0-d device tensor, refilled every step
+
+    def _lr_tensor(self, i, device, value):
+        if i not in self._lr:
+            self._lr[i] = self._fixed(torch.zeros((), device=device))
+        return self._lr[i].fill_(value)  # a kernel with the value as its argument: no copy, no sync
+
+    def _fixed(self, t):
+        """t, marked (when the update runs as a CUDA graph) as an input whose address stays: inductor then lets
+        the graph update it in place; at a new address the graph is recorded again."""
+        if self.fixed_addresses and t is not None:
+            torch._dynamo.mark_static_address(t)
+        return t
 
     def _state_of(self, group, params):
         """The momentum buffers (zeros before the first step: then the first buffer is the gradient itself, as in
@@ -799,12 +816,12 @@ class Muon(torch.optim.Optimizer):
             state = self.state[p]
             if group["momentum"] and "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p)
-            bufs.append(state.get("momentum_buffer"))
+            bufs.append(self._fixed(state.get("momentum_buffer")))  # (again after a load_state_dict)
             ortho = group["orthogonalize"] and p.ndim >= 2
             if ortho and group["norm"] != "none" and "norm" not in state:
                 state["norm"] = (torch.linalg.vector_norm(p.detach()) if group["norm"] == "initial"
                                  else torch.tensor(float(p.shape[0]), device=p.device).sqrt())
-            norms.append(state["norm"] if ortho and group["norm"] != "none" else None)
+            norms.append(self._fixed(state["norm"]) if ortho and group["norm"] != "none" else None)
             scales.append(max(1.0, p.shape[0] * p.shape[0] / p.numel()) ** 0.5 if p.ndim >= 2 else 1.0)
         return bufs, norms, scales
 
@@ -822,32 +839,32 @@ class Muon(torch.optim.Optimizer):
             trainable = sum(p.requires_grad for p in group["params"])
             compiled = self.compiled and bool(params) and len(params) == trainable
             bufs, norms, scales = self._state_of(group, params)
-            lr = group["lr"]
-            if compiled:
-                lr = self._lr.setdefault(i, torch.zeros((), device=params[0].device))
-                lr.fill_(group["lr"])  # a kernel with the value as its argument: no copy, no sync
+            lr = self._lr_tensor(i, params[0].device, group["lr"]) if compiled else group["lr"]
             (self._update if compiled else muon_update)(
                 *self._arguments(group, params, [p.grad for p in params], bufs, norms, scales, lr))
         return loss
 
     @torch.no_grad()
     def warm_up(self):
-        """Compiles each group's update for the parameters that train now, on copies of them and of their
-        momentum buffers: the weights and the state are left as they were (a norm it takes is the one the first
-        step would take, as the weights have not moved)."""
+        """Compiles each group's update for the parameters that train now (under CUDA graphs, call it once after
+        each of the backward passes that record the net's graph, so that the update's graph is recorded after
+        each of them too), on the real tensors, whose addresses a CUDA graph keeps: LR 0, their gradients (zeros
+        where none). Then the weights and momentum buffers are put back: the optimizer has not stepped. A norm it
+        takes is the one the first step would take, as the weights have not moved."""
         if not self.compiled:
             return
-        for group in self.param_groups:
+        for i, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.requires_grad]
             if not params:
                 continue
             bufs, norms, scales = self._state_of(group, params)
-            copies = [torch.nn.Parameter(p.detach().clone(), requires_grad=True) for p in params]
-            bufs = [None if b is None else b.clone() for b in bufs]
-            norms = [None if n is None else n.clone() for n in norms]
-            lr = torch.zeros((), device=params[0].device)
-            self._update(*self._arguments(group, copies, [torch.zeros_like(p) for p in params], bufs, norms,
-                                          scales, lr))
+            kept = params + [b for b in bufs if b is not None]
+            saved = [t.clone() for t in kept]
+            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+            lr = self._lr_tensor(i, params[0].device, 0.0)
+            self._update(*self._arguments(group, params, grads, bufs, norms, scales, lr))
+            for t, s in zip(kept, saved):
+                t.copy_(s)
 
     def update_flops(self):
         """FLOPs of one step's Newton-Schulz products (counted, like the net's), for the run's FLOP total."""

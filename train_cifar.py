@@ -381,7 +381,7 @@ def make_optimizer(cfg, model):
                   dict(params=rest, lr_scale=1.0, weight_decay=cfg["weight_decay"]),
                   dict(params=fast, lr_scale=s, weight_decay=cfg["weight_decay"] / s)]
         return tb.Muon([g for g in groups if g["params"]], lr=0.0, momentum=cfg["momentum"], nesterov=nesterov,
-                       compiled=cfg["compile"])
+                       compiled=cfg["compile"], compile_mode=cfg["compile_mode"])
     return torch.optim.SGD(groups, lr=0.0, momentum=cfg["momentum"], nesterov=nesterov)
 
 
@@ -538,8 +538,8 @@ def warm_up_compile(cfg, model, device, precision, world, opt=None):
                 # CUDA graphs are recorded at a graph's second or third call, not its first
                 for _ in range(3 if uses_cuda_graphs(cfg) else 1):
                     forward_backward(cfg, model, step_fn, x, y, precision, device)
-            if hasattr(opt, "warm_up"):
-                opt.warm_up()
+                    if hasattr(opt, "warm_up"):  # a compiled Muon: after the backward, as in a step
+                        opt.warm_up()
         if before is not None:
             model.whiten.bias.requires_grad_(before)
 
@@ -1131,9 +1131,24 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def as_flag_value(value):
+    """A config value as the command line takes it, for --help."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (tuple, list)):
+        return " ".join(map(str, value)) if value else "(none)"
+    return str(value)
+
+
 def parse_args(argv):
-    p = Parser(description=__doc__.split("\n")[0],
-                                epilog="Presets: " + ", ".join(PRESETS), formatter_class=argparse.RawTextHelpFormatter)
+    # --help lists each option with its value in the chosen preset (the default one unless --preset names another)
+    chosen = argparse.ArgumentParser(add_help=False)
+    chosen.add_argument("--preset", default=DEFAULT_PRESET)
+    preset = chosen.parse_known_args(argv)[0].preset
+    values = dict(COMMON, **PRESETS.get(preset, PRESETS[DEFAULT_PRESET]), preset=preset)
+    p = Parser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter,
+               epilog=f"The value after each option is {values['preset']}'s; `--preset NAME --help` shows another "
+                      f"preset's.\nPresets: {', '.join(PRESETS)}")
     p.add_argument("--preset", default=DEFAULT_PRESET, choices=list(PRESETS))
     p.add_argument("--data", default=None, help="CIFAR-10 .npz, tarball or folder (default: $CIFAR10_DATA or ./data)")
     p.add_argument("--log-dir", default="logs", help="where the JSON summary and TSV table go ('' for none)")
@@ -1144,16 +1159,19 @@ def parse_args(argv):
     for k in keys:
         example = next(cfg[k] for cfg in [COMMON, *PRESETS.values()] if k in cfg)
         flag = "--" + k.replace("_", "-")
+        shown = f"{values['preset']}: {as_flag_value(values[k])}" if k in values else "unset"
+        shown = shown.replace("%", "%%")  # argparse formats help strings with %
         if isinstance(example, bool):
-            p.add_argument(flag, type=str2bool, default=None, metavar="BOOL")
+            p.add_argument(flag, type=str2bool, default=None, metavar="BOOL", help=shown)
         elif isinstance(example, (tuple, list)):
-            p.add_argument(flag, type=int if k.endswith(("widths", "sizes")) else float, nargs="+", default=None)
+            p.add_argument(flag, type=int if k.endswith(("widths", "sizes")) else float, nargs="+", default=None,
+                           help=shown)
         elif k == "epochs" or isinstance(example, float):
-            p.add_argument(flag, type=float, default=None)
+            p.add_argument(flag, type=float, default=None, help=shown)
         elif isinstance(example, int):
-            p.add_argument(flag, type=int, default=None)
+            p.add_argument(flag, type=int, default=None, help=shown)
         else:
-            p.add_argument(flag, type=str, default=None)
+            p.add_argument(flag, type=str, default=None, help=shown)
     return p, p.parse_args(argv)
 
 

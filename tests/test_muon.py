@@ -141,10 +141,14 @@ def test_muon_options_are_checked():
         train_cifar.make_config("fast94", muon_ns_steps=0)
 
 
-def test_compiled_muon_matches_eager_muon_without_recompiling():
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_muon_matches_eager_muon_without_recompiling(mode):
     """compiled=True: the same updates as the eager optimizer, each group one graph per set of trainable
-    parameters, all built by warm_up (which moves no weight): changing LRs and a parameter that stops training
-    (as fastnet's whitening bias) need no new graph."""
+    parameters, all built by warm_up, which leaves the weights and momentum buffers as they were (also after
+    steps, with gradients present): changing LRs and a parameter that stops training (as fastnet's whitening
+    bias) need no new graph. Under reduce-overhead (CUDA graphs on a GPU; here on the CPU inductor runs it
+    without) the tensors the update changes in place or reads are marked as fixed addresses, else a GPU would
+    skip the CUDA graph."""
     gen = torch.Generator().manual_seed(3)
     shapes = [(8, 4, 3, 3), (16, 8, 3, 3)], [(10, 16), (8,), (5,)]
 
@@ -154,8 +158,11 @@ def test_compiled_muon_matches_eager_muon_without_recompiling():
         rest = [torch.nn.Parameter(torch.randn(*s, generator=g)) for s in shapes[1]]
         opt = tb.Muon([dict(params=filters, orthogonalize=True, norm="sqrt_out", ns_steps=3, momentum=0.6),
                        dict(params=rest, weight_decay=0.01)], lr=0.0, momentum=0.85, nesterov=True,
-                      compiled=compiled)
+                      compiled=compiled, compile_mode=mode)
         return filters + rest, opt
+
+    def state(params, opt):
+        return [t.detach().clone() for t in params + [opt.state[p]["momentum_buffer"] for p in params]]
 
     eager_params, eager = make(False)
     params, opt = make(True)
@@ -175,6 +182,14 @@ def test_compiled_muon_matches_eager_muon_without_recompiling():
                 for group in o.param_groups:
                     group["lr"] = lr
                 o.step()
+            if step == 0:  # mid-run, with gradients and non-zero buffers: nothing moves
+                saved = state(params, opt)
+                opt.warm_up()
+                assert all(torch.equal(a, b) for a, b in zip(state(params, opt), saved))
     for p, q in zip(params, eager_params):
         np.testing.assert_allclose(p.detach().numpy(), q.detach().numpy(), atol=1e-5)
     assert not torch.equal(params[0], before[0])
+    fixed = [opt.state[p]["momentum_buffer"] for p in params] + [opt.state[p]["norm"] for p in params[:2]]
+    fixed += list(opt._lr.values())
+    marked = [getattr(t, "_dynamo_static_input_type", None) is not None for t in fixed]
+    assert marked == [mode == "reduce-overhead"] * len(fixed)
