@@ -3,9 +3,19 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+
+@pytest.fixture(autouse=True)
+def fresh_compile_caches():
+    """Each test compiles for itself: torch.compile keeps at most 8 graphs per function (muon_update, a net's
+    forward) across the whole process, so tests compiling one function for other shapes or modes would fill it,
+    and a fullgraph compile past the limit fails."""
+    yield
+    torch._dynamo.reset()
 
 
 def real_data_path():
