@@ -1145,9 +1145,9 @@ def parse_args(argv):
     chosen = argparse.ArgumentParser(add_help=False)
     chosen.add_argument("--preset", default=DEFAULT_PRESET)
     preset = chosen.parse_known_args(argv)[0].preset
-    values = dict(COMMON, **PRESETS.get(preset, PRESETS[DEFAULT_PRESET]), preset=preset)
+    values = dict(COMMON, **PRESETS.get(preset, PRESETS[DEFAULT_PRESET]))  # (an unknown preset fails below)
     p = Parser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter,
-               epilog=f"The value after each option is {values['preset']}'s; `--preset NAME --help` shows another "
+               epilog=f"The value after each option is {preset}'s; `--preset NAME --help` shows another "
                       f"preset's.\nPresets: {', '.join(PRESETS)}")
     p.add_argument("--preset", default=DEFAULT_PRESET, choices=list(PRESETS))
     p.add_argument("--data", default=None, help="CIFAR-10 .npz, tarball or folder (default: $CIFAR10_DATA or ./data)")
@@ -1159,8 +1159,7 @@ def parse_args(argv):
     for k in keys:
         example = next(cfg[k] for cfg in [COMMON, *PRESETS.values()] if k in cfg)
         flag = "--" + k.replace("_", "-")
-        shown = f"{values['preset']}: {as_flag_value(values[k])}" if k in values else "unset"
-        shown = shown.replace("%", "%%")  # argparse formats help strings with %
+        shown = f"{preset}: {as_flag_value(values[k])}".replace("%", "%%")  # argparse formats help with %
         if isinstance(example, bool):
             p.add_argument(flag, type=str2bool, default=None, metavar="BOOL", help=shown)
         elif isinstance(example, (tuple, list)):
