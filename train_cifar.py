@@ -1162,16 +1162,14 @@ def parse_args(argv):
         flag = "--" + k.replace("_", "-")
         shown = f"{preset}: {as_flag_value(values[k])}".replace("%", "%%")  # argparse formats help with %
         if isinstance(example, bool):
-            p.add_argument(flag, type=str2bool, default=None, metavar="BOOL", help=shown)
+            kind = dict(type=str2bool, metavar="BOOL")
         elif isinstance(example, (tuple, list)):
-            p.add_argument(flag, type=int if k.endswith(("widths", "sizes")) else float, nargs="+", default=None,
-                           help=shown)
+            kind = dict(type=int if k.endswith(("widths", "sizes")) else float, nargs="+")
         elif k == "epochs" or isinstance(example, float):
-            p.add_argument(flag, type=float, default=None, help=shown)
-        elif isinstance(example, int):
-            p.add_argument(flag, type=int, default=None, help=shown)
+            kind = dict(type=float)
         else:
-            p.add_argument(flag, type=str, default=None, help=shown)
+            kind = dict(type=int if isinstance(example, int) else str)
+        p.add_argument(flag, default=None, help=shown, **kind)
     return p, p.parse_args(argv)
 
 
