@@ -792,6 +792,10 @@ class Muon(torch.optim.Optimizer):
                                       orthogonalize=orthogonalize, ns_steps=ns_steps, norm=norm))
         self.compiled = compiled
         self.fixed_addresses = compiled and compile_mode == "reduce-overhead"
+        if compiled:  # dynamo keeps 8 graphs of a function per process, and each set of filter shapes (a net's
+            # widths, the proxy's) takes up to one per group and mode: a third width would pass that, and a
+            # fullgraph compile past the limit fails
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self._update = (torch.compile(muon_update, fullgraph=True, dynamic=False, mode=compile_mode) if compiled
                         else muon_update)
         self._lr = {}  # compiled: each group's LR as a 0-d device tensor, refilled every step

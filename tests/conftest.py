@@ -11,9 +11,9 @@ sys.path.insert(0, ROOT)
 
 @pytest.fixture(autouse=True)
 def fresh_compile_caches():
-    """Each test compiles for itself: torch.compile keeps at most 8 graphs per function (muon_update, a net's
-    forward) across the whole process, so tests compiling one function for other shapes or modes would fill it,
-    and a fullgraph compile past the limit fails."""
+    """Each test compiles for itself: torch.compile keeps a limited number of graphs per function (a net's
+    forward: 8) across the whole process, so tests compiling one function for other shapes or modes would fill
+    it, and the test after would run eager or, compiled with fullgraph, fail."""
     yield
     torch._dynamo.reset()
 

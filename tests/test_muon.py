@@ -193,3 +193,17 @@ def test_compiled_muon_matches_eager_muon_without_recompiling(mode):
     fixed += list(opt._lr.values())
     marked = [getattr(t, "_dynamo_static_input_type", None) is not None for t in fixed]
     assert marked == [mode == "reduce-overhead"] * len(fixed)
+
+
+def test_compiled_muon_trains_nets_of_many_widths_in_one_process():
+    """Each set of filter shapes is a graph of its own, and dynamo keeps 8 per function unless told otherwise: a
+    process that trains Muon nets of many widths (a sweep, the benchmark over presets) must compile them all,
+    each step the eager one's."""
+    for width in range(1, 11):
+        g = torch.Generator().manual_seed(width)
+        weight, grad = torch.randn(4 * width, 3, 3, 3, generator=g), torch.randn(4 * width, 3, 3, 3, generator=g)
+        params = [torch.nn.Parameter(weight.clone()) for _ in range(2)]
+        for p, compiled in zip(params, (True, False)):
+            p.grad = grad.clone()
+            tb.Muon([dict(params=[p], orthogonalize=True, ns_steps=1)], lr=0.1, compiled=compiled).step()
+        np.testing.assert_allclose(params[0].detach().numpy(), params[1].detach().numpy(), atol=1e-5)
