@@ -59,6 +59,65 @@ def mean_std(xs):
     return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
 
 
+def student_t_cdf(t, df):
+    """P(T <= t) for Student's t with df >= 1 degrees of freedom (fractional too, as Welch's are). With
+    t = sqrt(df) tan(theta) the density becomes c cos(theta)^(df - 1), bounded on [0, pi/2) for df >= 1, so
+    Simpson's rule over theta is accurate to ~1e-9 with a few hundred points."""
+    if not df >= 1:
+        raise ValueError(f"student_t_cdf needs df >= 1, got {df}")
+    theta, n = math.atan(abs(t) / math.sqrt(df)), 512
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(math.pi)
+    weights = [1] + [4 if i % 2 else 2 for i in range(1, n)] + [1]
+    area = c * theta / n / 3 * sum(w * math.cos(i * theta / n) ** (df - 1) for i, w in enumerate(weights))
+    return 0.5 + math.copysign(area, t)
+
+
+def student_t_quantile(p, df):
+    """The t with P(T <= t) = p, by bisection on student_t_cdf."""
+    if not 0 < p < 1:
+        raise ValueError(f"student_t_quantile needs p in (0, 1), got {p}")
+    if p < 0.5:
+        return -student_t_quantile(1 - p, df)
+    lo, hi = 0.0, 1.0
+    while student_t_cdf(hi, df) < p:
+        lo, hi = hi, 2 * hi
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if student_t_cdf(mid, df) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def mean_difference(a, b, level=0.95):
+    """mean(b) - mean(a) of two independent samples with Welch's standard error, degrees of freedom and
+    confidence interval: dict(diff, se, df, ci). se, df and ci are NaN where a sample has fewer than 2 values
+    (no spread to judge by); where both have no spread, se is 0 and the interval is the difference itself."""
+    (ma, sa), (mb, sb) = mean_std(a), mean_std(b)
+    diff, nan = mb - ma, math.nan
+    if len(a) < 2 or len(b) < 2:
+        return dict(diff=diff, se=nan, df=nan, ci=(nan, nan))
+    va, vb = sa ** 2 / len(a), sb ** 2 / len(b)
+    se = math.sqrt(va + vb)
+    if se == 0:
+        return dict(diff=diff, se=0.0, df=nan, ci=(diff, diff))
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    half = student_t_quantile((1 + level) / 2, df) * se
+    return dict(diff=diff, se=se, df=df, ci=(diff - half, diff + half))
+
+
+def paired_difference(a, b, level=0.95):
+    """mean(b[i] - a[i]) over pairs (runs of one seed in two variants: the seed's own luck cancels), with its
+    standard error and t confidence interval on len - 1 degrees of freedom; NaN for fewer than 2 pairs."""
+    if len(a) != len(b):
+        raise ValueError("paired_difference needs samples of the same length")
+    d = [y - x for x, y in zip(a, b)]
+    m, s = mean_std(d)
+    if len(d) < 2:
+        return dict(diff=m, se=math.nan, df=math.nan, ci=(math.nan, math.nan))
+    se = s / math.sqrt(len(d))
+    half = student_t_quantile((1 + level) / 2, len(d) - 1) * se
+    return dict(diff=m, se=se, df=len(d) - 1, ci=(m - half, m + half))
+
+
 def format_cell(v, width):
     if isinstance(v, float):
         s = f"{v:.4f}" if abs(v) < 1000 else f"{v:.1f}"

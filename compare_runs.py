@@ -1,0 +1,183 @@
+"""Summarise logged runs as a series (pooled over logs, e.g. seeds trained by separate invocations or machines)
+and compare two series: is a variant better, or within the noise?
+
+    python compare_runs.py logs/fast94-20261202-*.json                          # one series
+    python compare_runs.py logs/fast94-20261202-05*.json --vs logs/fast94-20261204-23*.json
+
+For each series: the logs and finished runs pooled, their seeds, final test accuracy (mean ± sample std, and the
+standard error of the mean), how many reach the target, time per run and training FLOPs, and the hardware it ran
+on. For two: the difference of mean accuracies (B - A) with Welch's standard error and 95% interval, and, over
+the seeds both series ran, the paired difference (each seed's luck in data order and initialisation cancels, so
+it is the sharper test when the runs were made as pairs). Reads the JSON summaries train_cifar.py writes.
+
+Runs pool only when their logs share a recipe: logs whose hyper-parameters differ (epochs, widths, ...) are an
+error naming the difference, unless --allow-mixed. Seeds, hardware, compilation and the like do not count."""
+import argparse
+import json
+import math
+import sys
+
+import core
+
+# Config keys that say how or where a run ran, or what it reports, not what it trains.
+NOT_RECIPE = {"runs", "seed", "compile", "compile_mode", "cpu_conv", "eval_every", "eval_every_steps",
+              "loader_workers", "target", "stop_after_epochs", "loss_scale"}
+
+
+class LogError(ValueError):
+    pass
+
+
+def load_log(path):
+    try:
+        with open(path) as f:
+            log = json.load(f)
+    except OSError as e:
+        raise LogError(f"cannot read {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise LogError(f"{path} is not JSON ({e.msg}, line {e.lineno})") from None
+    if not isinstance(log, dict) or not isinstance(log.get("runs"), list) or not isinstance(log.get("config"), dict):
+        raise LogError(f"{path} is not a train_cifar.py log (no runs and config)")
+    return log
+
+
+def recipe(log):
+    """What a log's runs trained: its hyper-parameters without NOT_RECIPE, with the preset, the resolved
+    precision and the number of processes."""
+    keys = dict((k, v) for k, v in log["config"].items() if k not in NOT_RECIPE)
+    keys.update(preset=log.get("preset"), resolved_precision=log.get("precision"), world_size=log.get("world_size", 1))
+    return keys
+
+
+def recipe_differences(logs):
+    """{key: [each log's value]} for the recipe keys that differ between logs; keys a log lacks (logs written
+    before the option existed) are not compared."""
+    recipes = [recipe(log) for log in logs]
+    shared = set.intersection(*(set(r) for r in recipes))
+    return {k: [r[k] for r in recipes] for k in sorted(shared) if any(r[k] != recipes[0][k] for r in recipes)}
+
+
+def finished(run):
+    return run.get("accuracy") is not None and not run.get("diverged") and run.get("stopped_after_epoch") is None
+
+
+def series(paths, allow_mixed=False):
+    """The finished runs of these logs, pooled, with what describes them."""
+    logs = [load_log(p) for p in paths]
+    differ = recipe_differences(logs)
+    if differ and not allow_mixed:
+        key, values = next(iter(differ.items()))
+        distinct = [(v, p) for i, (v, p) in enumerate(zip(values, paths)) if v not in values[:i]]
+        shown = " but ".join(f"{json.dumps(v)} in {p}" for v, p in distinct)
+        more = f" (and {len(differ) - 1} more option(s) differ)" if len(differ) > 1 else ""
+        raise LogError(f"these logs trained different recipes: {key} is {shown}{more}; "
+                       "pass --allow-mixed to pool them anyway")
+    runs = [dict(run, target=log["config"].get("target"), flops=log.get("train_flops_per_run"),
+                 hardware=log.get("hardware")) for log in logs for run in log["runs"]]
+    done = [r for r in runs if finished(r)]
+    if not done:
+        raise LogError(f"no finished run in {', '.join(paths)}")
+    return dict(paths=list(paths), presets=sorted({str(log.get("preset")) for log in logs}), runs=done,
+                left_out=len(runs) - len(done), differences=differ)
+
+
+def seed_ranges(seeds):
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    out, seeds = [], sorted(seeds)
+    for s in seeds:
+        if out and s == out[-1][1] + 1:
+            out[-1][1] = s
+        else:
+            out.append([s, s])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
+
+
+def summary(s):
+    runs = s["runs"]
+    acc = [100 * r["accuracy"] for r in runs]
+    mean, std = core.mean_std(acc)
+    times = [r["total_time_s"] for r in runs if r.get("total_time_s") is not None]
+    reached = [r for r in runs if r["target"] is not None and r["accuracy"] >= r["target"]]
+    flops = sorted({round(r["flops"] / 1e15, 3) for r in runs if r["flops"]})  # PF, as printed
+    return dict(n=len(runs), seeds=seed_ranges([r["seed"] for r in runs]), mean=mean, std=std,
+                se=std / math.sqrt(len(runs)) if len(runs) > 1 else math.nan, reached=len(reached),
+                targets=sorted({r["target"] for r in runs if r["target"] is not None}),
+                time=core.mean_std(times), flops=flops,
+                hardware=sorted({str(r["hardware"]) for r in runs}))
+
+
+def paired_runs(a, b):
+    """Accuracies (percent) of the seeds that each series ran exactly once, in both: (seeds, in a, in b)."""
+    def once(runs):
+        seeds = [r["seed"] for r in runs]
+        return {r["seed"]: 100 * r["accuracy"] for r in runs if seeds.count(r["seed"]) == 1}
+    in_a, in_b = once(a["runs"]), once(b["runs"])
+    shared = sorted(set(in_a) & set(in_b))
+    return shared, [in_a[s] for s in shared], [in_b[s] for s in shared]
+
+
+def describe(name, s, out=print):
+    m = summary(s)
+    logs = "1 log" if len(s["paths"]) == 1 else f"{len(s['paths'])} logs"
+    se = f" (standard error {m['se']:.2f})" if m["n"] > 1 else ""
+    target = "/".join(f"{100 * t:g}%" for t in m["targets"])
+    out(f"{name}: {', '.join(s['presets'])}, {logs}, n={m['n']} (seeds {m['seeds']})")
+    out(f"  accuracy {m['mean']:.2f} ± {m['std']:.2f}%{se}; {m['reached']} of {m['n']} reach {target}")
+    if not math.isnan(m["time"][0]):
+        out(f"  time per run {m['time'][0]:.1f} ± {m['time'][1]:.1f} s; "
+            + ("training FLOPs " + " / ".join(f"{f:.3f}" for f in m["flops"]) + " PF" if m["flops"] else ""))
+    for h in m["hardware"]:
+        out(f"  on {h}")
+    if s["left_out"]:
+        out(f"  ({s['left_out']} unfinished, diverged or cut-short run(s) left out)")
+    for key, values in s["differences"].items():
+        out(f"  mixed: {key} = {', '.join(json.dumps(v) for v in values)}")
+
+
+def interval(d):
+    if math.isnan(d["se"]):
+        return f"{d['diff']:+.2f} points (too few runs for an error estimate)"
+    return (f"{d['diff']:+.2f} ± {d['se']:.2f} points (95% interval {d['ci'][0]:+.2f} to {d['ci'][1]:+.2f}"
+            + (f", {d['df']:.1f} degrees of freedom)" if not math.isnan(d["df"]) else ")"))
+
+
+def compare(a, b, out=print):
+    acc = [[100 * r["accuracy"] for r in s["runs"]] for s in (a, b)]
+    out(f"B - A, all runs (Welch): {interval(core.mean_difference(*acc))}")
+    elsewhere = "" if summary(a)["hardware"] == summary(b)["hardware"] else " (on different hardware)"
+    seeds, in_a, in_b = paired_runs(a, b)
+    if seeds:  # (on other hardware a seed may not draw the same initialisation and data order)
+        out(f"B - A, paired over the {len(seeds)} seed(s) both ran ({seed_ranges(seeds)}): "
+            f"{interval(core.paired_difference(in_a, in_b))}{elsewhere}")
+    time_a, time_b = ([r["total_time_s"] for r in s["runs"] if r.get("total_time_s") is not None] for s in (a, b))
+    if time_a and time_b:
+        out(f"time per run B / A: {core.mean_std(time_b)[0] / core.mean_std(time_a)[0]:.3f}{elsewhere}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("logs", nargs="+", help="JSON logs of series A")
+    p.add_argument("--vs", nargs="+", default=[], metavar="LOG", help="JSON logs of series B, compared with A")
+    p.add_argument("--allow-mixed", action="store_true", help="pool logs whose recipes differ (listed as mixed)")
+    a = p.parse_args(argv)
+    try:
+        first = series(a.logs, a.allow_mixed)
+        second = series(a.vs, a.allow_mixed) if a.vs else None
+    except LogError as e:
+        print(f"compare_runs.py: error: {e}", file=sys.stderr)
+        return 2
+    describe("A" if second else "series", first)
+    if second:
+        describe("B", second)
+        logs = [load_log(a.logs[0]), load_log(a.vs[0])]
+        changed = recipe_differences(logs)
+        unknown = sorted(set(recipe(logs[0])) ^ set(recipe(logs[1])))  # options one log predates
+        print("B's recipe against A's: " + ("the same" if not changed else "; ".join(
+            f"{key} {json.dumps(x)} -> {json.dumps(y)}" for key, (x, y) in changed.items()))
+            + (f" (not in both logs, so not compared: {', '.join(unknown)})" if unknown else ""))
+        compare(first, second)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""compare_runs.py: series pooled over logs, checked against the statistics module and core's differences."""
+import copy
+import glob
+import json
+import math
+import os
+import statistics
+
+import pytest
+
+import compare_runs
+import core
+import train_cifar
+from conftest import synthetic
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def real_log(tmp_path_factory):
+    """The JSON summary of a real (tiny) logged invocation, as a template for logs with chosen results."""
+    d = tmp_path_factory.mktemp("logs")
+    s = train_cifar.train("resnet9", data=synthetic(200, 50), device="cpu", log=lambda *a: None, log_dir=str(d),
+                          widths=(8, 16, 16, 16), batch_size=50, epochs=1, runs=2, precision="fp32")
+    with open(s["log_json"]) as f:
+        return json.load(f)
+
+
+def write_log(tmp_path, template, name, results, **config):
+    """A copy of template whose runs have these (seed, accuracy) results and whose config has these changes."""
+    log = copy.deepcopy(template)
+    log["config"].update(config, target=0.94)
+    log["runs"] = [dict(copy.deepcopy(template["runs"][0]), seed=seed, accuracy=acc, total_time_s=10.0 + seed)
+                   for seed, acc in results]
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(log))
+    return str(path)
+
+
+def test_a_series_pools_its_logs(real_log, tmp_path, capsys):
+    """Two logs (seeds 0-2 and 3-4, the second with another seed, run count and compilation: not the recipe)
+    are one series; unfinished runs are left out and counted."""
+    first = write_log(tmp_path, real_log, "a1", [(0, 0.9401), (1, 0.9388), (2, 0.9412)])
+    second = write_log(tmp_path, real_log, "a2", [(3, 0.9399), (4, 0.9420), (5, None)], seed=3, runs=3,
+                       compile=True)
+    s = compare_runs.series([first, second])
+    m = compare_runs.summary(s)
+    acc = [94.01, 93.88, 94.12, 93.99, 94.20]
+    assert (m["n"], m["seeds"], m["reached"], s["left_out"]) == (5, "0-4", 3, 1)
+    assert m["mean"] == pytest.approx(statistics.mean(acc)) and m["std"] == pytest.approx(statistics.stdev(acc))
+    assert m["se"] == pytest.approx(statistics.stdev(acc) / math.sqrt(5))
+    assert m["time"][0] == pytest.approx(12.0)
+    assert compare_runs.main([first, second]) == 0
+    out = capsys.readouterr().out
+    assert "n=5 (seeds 0-4)" in out and "3 of 5 reach 94%" in out and "1 unfinished" in out
+
+
+def test_logs_of_different_recipes_are_not_pooled_unless_asked(real_log, tmp_path, capsys):
+    first = write_log(tmp_path, real_log, "a", [(0, 0.94), (1, 0.95)])
+    other = write_log(tmp_path, real_log, "b", [(2, 0.93)], epochs=2)
+    assert compare_runs.main([first, other]) == 2
+    err = capsys.readouterr().err
+    assert "epochs is 1 in" in err and "but 2 in" in err and "--allow-mixed" in err and err.count("\n") == 1
+    assert compare_runs.main([first, other, "--allow-mixed"]) == 0
+    assert "mixed: epochs = 1, 2" in capsys.readouterr().out
+
+
+def test_two_series_compared_unpaired_and_over_shared_seeds(real_log, tmp_path, capsys):
+    """Welch over all runs; paired over the seeds each series ran exactly once (seed 1 twice in B: left out)."""
+    a = write_log(tmp_path, real_log, "a", [(0, 0.9401), (1, 0.9388), (2, 0.9412), (3, 0.9395)])
+    b = write_log(tmp_path, real_log, "b", [(0, 0.9415), (1, 0.9391), (1, 0.9380), (2, 0.9420), (7, 0.9433)],
+                  label_smoothing=0.1)
+    sa, sb = compare_runs.series([a]), compare_runs.series([b])
+    seeds, in_a, in_b = compare_runs.paired_runs(sa, sb)
+    assert seeds == [0, 2] and in_a == pytest.approx([94.01, 94.12]) and in_b == pytest.approx([94.15, 94.20])
+    assert compare_runs.main([a, "--vs", b]) == 0
+    out = capsys.readouterr().out
+    welch = core.mean_difference([94.01, 93.88, 94.12, 93.95], [94.15, 93.91, 93.80, 94.20, 94.33])
+    paired = core.paired_difference(in_a, in_b)
+    assert f"(Welch): {welch['diff']:+.2f} ± {welch['se']:.2f} points" in out
+    assert f"paired over the 2 seed(s) both ran (0, 2): {paired['diff']:+.2f} ± {paired['se']:.2f}" in out
+    assert "label_smoothing 0.0 -> 0.1" in out
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"preset": "fast94", "runs": [', "is not JSON"),
+    ('{"rows": []}', "not a train_cifar.py log"),
+    ('{"preset": "fast94", "runs": [], "config": {"target": 0.94}}', "no finished run"),
+])
+def test_bad_logs_exit_2_with_one_line(tmp_path, capsys, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    assert compare_runs.main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert compare_runs.main([str(tmp_path / "missing.json")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_every_committed_log_of_a_preset_reads(capsys):
+    """Logs from every stage of the project (older ones lack later options) summarise, a preset at a time."""
+    by_preset = {}
+    for path in sorted(glob.glob(os.path.join(REPO, "logs", "*.json"))):
+        with open(path) as f:
+            log = json.load(f)
+        if isinstance(log, dict) and "runs" in log and "config" in log and any(map(compare_runs.finished, log["runs"])):
+            by_preset.setdefault(log["preset"], []).append(path)
+    assert {"fast94", "fast96", "resnet9-tricks"} <= set(by_preset)
+    for paths in by_preset.values():
+        assert compare_runs.main(paths + ["--allow-mixed"]) == 0
+    assert capsys.readouterr().out.count("accuracy ") == len(by_preset)
