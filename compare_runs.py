@@ -82,7 +82,14 @@ def series(paths, allow_mixed=False):
 
 
 def seed_ranges(seeds):
-    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'; seeds run more than once named after: [0, 1, 1, 2, 2] -> '0-2; 1-2 run twice'."""
+    by_count = {}
+    for s in sorted(set(seeds)):
+        if seeds.count(s) > 1:
+            by_count.setdefault(seeds.count(s), []).append(s)
+    if by_count:
+        return seed_ranges(sorted(set(seeds))) + "; " + ", ".join(
+            f"{seed_ranges(group)} run {'twice' if n == 2 else f'{n} times'}" for n, group in sorted(by_count.items()))
     out, seeds = [], sorted(seeds)
     for s in seeds:
         if out and s == out[-1][1] + 1:
@@ -96,14 +103,16 @@ def summary(s):
     runs = s["runs"]
     acc = [100 * r["accuracy"] for r in runs]
     mean, std = core.mean_std(acc)
-    times = [r["total_time_s"] for r in runs if r.get("total_time_s") is not None]
+    times = {}  # seconds per run on each machine: times on different hardware do not pool
+    for r in runs:
+        if r.get("total_time_s") is not None:
+            times.setdefault(str(r["hardware"]), []).append(r["total_time_s"])
     reached = [r for r in runs if r["target"] is not None and r["accuracy"] >= r["target"]]
     flops = sorted({round(r["flops"] / 1e15, 3) for r in runs if r["flops"]})  # PF, as printed
     return dict(n=len(runs), seeds=seed_ranges([r["seed"] for r in runs]), mean=mean, std=std,
                 se=std / math.sqrt(len(runs)) if len(runs) > 1 else math.nan, reached=len(reached),
                 targets=sorted({r["target"] for r in runs if r["target"] is not None}),
-                time=core.mean_std(times), flops=flops,
-                hardware=sorted({str(r["hardware"]) for r in runs}))
+                flops=flops, hardware={h: times.get(h, []) for h in sorted({str(r["hardware"]) for r in runs})})
 
 
 def paired_runs(a, b):
@@ -123,11 +132,16 @@ def describe(name, s, out=print):
     target = "/".join(f"{100 * t:g}%" for t in m["targets"])
     out(f"{name}: {', '.join(s['presets'])}, {logs}, n={m['n']} (seeds {m['seeds']})")
     out(f"  accuracy {m['mean']:.2f} ± {m['std']:.2f}%{se}; {m['reached']} of {m['n']} reach {target}")
-    if not math.isnan(m["time"][0]):
-        out(f"  time per run {m['time'][0]:.1f} ± {m['time'][1]:.1f} s; "
-            + ("training FLOPs " + " / ".join(f"{f:.3f}" for f in m["flops"]) + " PF" if m["flops"] else ""))
-    for h in m["hardware"]:
-        out(f"  on {h}")
+    if len(m["targets"]) == 1 and m["n"] > 1:  # does the mean meet the target, or is it within the noise of it?
+        half = core.student_t_quantile(0.975, m["n"] - 1) * m["se"]
+        gap = m["mean"] - 100 * m["targets"][0]
+        out(f"  mean - target {gap:+.2f} points (95% interval {gap - half:+.2f} to {gap + half:+.2f})")
+    if m["flops"]:
+        out("  training FLOPs " + " / ".join(f"{f:.3f}" for f in m["flops"]) + " PF a run")
+    for h, times in m["hardware"].items():
+        mean_time, std_time = core.mean_std(times)
+        out(f"  on {h}: " + (f"1 run, {mean_time:.1f} s" if len(times) == 1 else
+                              f"{len(times)} runs, {mean_time:.1f} ± {std_time:.1f} s a run" if times else "no times"))
     if s["left_out"]:
         out(f"  ({s['left_out']} unfinished, diverged or cut-short run(s) left out)")
     for key, values in s["differences"].items():
@@ -144,14 +158,16 @@ def interval(d):
 def compare(a, b, out=print):
     acc = [[100 * r["accuracy"] for r in s["runs"]] for s in (a, b)]
     out(f"B - A, all runs (Welch): {interval(core.mean_difference(*acc))}")
-    elsewhere = "" if summary(a)["hardware"] == summary(b)["hardware"] else " (on different hardware)"
+    elsewhere = "" if summary(a)["hardware"].keys() == summary(b)["hardware"].keys() else " (on different hardware)"
     seeds, in_a, in_b = paired_runs(a, b)
     if seeds:  # (on other hardware a seed may not draw the same initialisation and data order)
         out(f"B - A, paired over the {len(seeds)} seed(s) both ran ({seed_ranges(seeds)}): "
             f"{interval(core.paired_difference(in_a, in_b))}{elsewhere}")
-    time_a, time_b = ([r["total_time_s"] for r in s["runs"] if r.get("total_time_s") is not None] for s in (a, b))
-    if time_a and time_b:
-        out(f"time per run B / A: {core.mean_std(time_b)[0] / core.mean_std(time_a)[0]:.3f}{elsewhere}")
+    hardware_a, hardware_b = summary(a)["hardware"], summary(b)["hardware"]
+    for h in hardware_a.keys() & hardware_b.keys():  # times compare on one machine only
+        if hardware_a[h] and hardware_b[h]:
+            ratio = core.mean_std(hardware_b[h])[0] / core.mean_std(hardware_a[h])[0]
+            out(f"time per run B / A on {h}: {ratio:.3f}")
 
 
 def main(argv=None):

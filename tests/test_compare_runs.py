@@ -49,10 +49,19 @@ def test_a_series_pools_its_logs(real_log, tmp_path, capsys):
     assert (m["n"], m["seeds"], m["reached"], s["left_out"]) == (5, "0-4", 3, 1)
     assert m["mean"] == pytest.approx(statistics.mean(acc)) and m["std"] == pytest.approx(statistics.stdev(acc))
     assert m["se"] == pytest.approx(statistics.stdev(acc) / math.sqrt(5))
-    assert m["time"][0] == pytest.approx(12.0)
+    assert list(m["hardware"].values()) == [[10.0, 11.0, 12.0, 13.0, 14.0]]  # one machine: each run's time
     assert compare_runs.main([first, second]) == 0
     out = capsys.readouterr().out
     assert "n=5 (seeds 0-4)" in out and "3 of 5 reach 94%" in out and "1 unfinished" in out
+    half = core.student_t_quantile(0.975, 4) * statistics.stdev(acc) / math.sqrt(5)
+    gap = statistics.mean(acc) - 94
+    assert f"mean - target {gap:+.2f} points (95% interval {gap - half:+.2f} to {gap + half:+.2f})" in out
+
+
+@pytest.mark.parametrize("seeds, text", [([5, 0, 1, 2, 7, 8], "0-2, 5, 7-8"), ([3], "3"),
+                                         ([0, 1, 1, 2, 2, 3, 9, 9, 9], "0-3, 9; 1-2 run twice, 9 run 3 times")])
+def test_seed_ranges(seeds, text):
+    assert compare_runs.seed_ranges(seeds) == text
 
 
 def test_logs_of_different_recipes_are_not_pooled_unless_asked(real_log, tmp_path, capsys):
@@ -80,6 +89,7 @@ def test_two_series_compared_unpaired_and_over_shared_seeds(real_log, tmp_path, 
     assert f"(Welch): {welch['diff']:+.2f} ± {welch['se']:.2f} points" in out
     assert f"paired over the 2 seed(s) both ran (0, 2): {paired['diff']:+.2f} ± {paired['se']:.2f}" in out
     assert "label_smoothing 0.0 -> 0.1" in out
+    assert f"time per run B / A on {real_log['hardware']}: {12.2 / 11.5:.3f}" in out
 
 
 @pytest.mark.parametrize("content, message", [
