@@ -265,8 +265,12 @@ def check_config(cfg):
          "bn-momentum must be in [0, 1] and applies to net fastnet only")
     need(0 < cfg["select_fraction"] <= 1, f"select-fraction must be in (0, 1], got {cfg['select_fraction']}")
     need(cfg["select_by"] in ("proxy", "loss"), "select-by must be proxy or loss")
-    need(not uses_proxy(cfg) or (cfg["proxy_every"] >= 1 and len(cfg["proxy_widths"]) == 3),
-         "select-fraction below 1 needs a proxy: proxy-every >= 1 and three proxy-widths")
+    blocks = 3 if cfg["net"] == "fastnet" else 4
+    need(not cfg["widths"] or (len(cfg["widths"]) == blocks and all(w == int(w) >= 1 for w in cfg["widths"])),
+         f"widths: net {cfg['net']} takes {blocks} channel counts, each at least 1, got {tuple(cfg['widths'])}")
+    need(not uses_proxy(cfg) or (cfg["proxy_every"] >= 1 and len(cfg["proxy_widths"]) == 3
+                                 and all(w == int(w) >= 1 for w in cfg["proxy_widths"])),
+         "select-fraction below 1 needs a proxy: proxy-every >= 1 and three proxy-widths, each at least 1")
     need(not uses_loss_history(cfg) or cfg["pipeline"] == "device",
          "select-by loss needs pipeline device")
     need(cfg["ema_every"] >= 0 and 0 <= cfg["ema_decay"] < 1, "need ema-every >= 0 and ema-decay in [0, 1)")

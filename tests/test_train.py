@@ -42,6 +42,10 @@ def tiny_npz(tmp_path, tiny):
     (["--tta-confidence", "1.5"], "tta-confidence must be in [0, 1]"),
     (["--cpu-conv", "winograd"], "cpu-conv must be one of auto, matmul, onednn"),
     (["--loss-scale", "-8"], "loss-scale must be batch, dynamic or a positive number"),
+    (["--widths", "8", "16"], "net fastnet takes 3 channel counts"),
+    (["--widths", "8", "0", "16"], "each at least 1, got (8, 0, 16)"),
+    (["--preset", "resnet9", "--widths", "8", "16", "16"], "net resnet9 takes 4 channel counts"),
+    (["--preset", "fast96", "--proxy-widths", "4", "-4", "4"], "three proxy-widths, each at least 1"),
 ])
 def test_bad_options_exit_2_with_one_line(tiny_npz, args, message):
     r = cli("--data", tiny_npz, "--log-dir", "", *args)
