@@ -257,6 +257,10 @@ def check_config(cfg):
     def need(ok, msg):
         if not ok:
             raise ValueError(msg)
+    for key, value in cfg.items():  # an infinite epoch count, knot or scale is never meant
+        numbers = value if isinstance(value, (tuple, list)) else [value]
+        need(all(math.isfinite(v) for v in numbers if isinstance(v, float)),
+             f"{key.replace('_', '-')} must be finite, got {value}")
     need(cfg["net"] in NETS, f"unknown net {cfg['net']!r}; choose one of {', '.join(NETS)}")
     need(not cfg["whiten_bias_epochs"] or cfg["net"] == "fastnet", "whiten-bias-epochs needs net fastnet")
     need(cfg["block_depth"] in (2, 3) and (cfg["block_depth"] == 2 or cfg["net"] == "fastnet"),
@@ -295,6 +299,9 @@ def check_config(cfg):
          f"loss-scale must be batch, dynamic or a positive number, got {cfg['loss_scale']!r}")
     need(cfg["eval_every"] >= 0, "eval-every must be >= 0 (0: only at the end)")
     need(cfg["lookahead_sync"] in ("epoch", "end"), "lookahead-sync must be epoch or end")
+    need(cfg["lookahead_start_epoch"] < 0 or (cfg["lookahead_every"] >= 1 and 0 <= cfg["lookahead_decay"] <= 1
+                                              and cfg["lookahead_pow"] >= 0),
+         "lookahead needs lookahead-every >= 1, lookahead-decay in [0, 1] and lookahead-pow >= 0")
     need(cfg["stop_after_epochs"] >= 0, "stop-after-epochs must be >= 0 (0: the whole schedule)")
     need(cfg["optimizer"] in ("sgd", "lars", "muon"), "optimizer must be sgd, lars or muon")
     need(cfg["muon_lr_scale"] > 0 and 0 <= cfg["muon_momentum"] < 1, "need muon-lr-scale > 0, muon-momentum in [0, 1)")

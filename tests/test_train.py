@@ -46,6 +46,11 @@ def tiny_npz(tmp_path, tiny):
     (["--widths", "8", "0", "16"], "each at least 1, got (8, 0, 16)"),
     (["--preset", "resnet9", "--widths", "8", "16", "16"], "net resnet9 takes 4 channel counts"),
     (["--preset", "fast96", "--proxy-widths", "4", "-4", "4"], "three proxy-widths, each at least 1"),
+    (["--epochs", "inf"], "epochs must be finite, got inf"),
+    (["--lr-knots", "0", "inf", "--lr-values", "1", "0"], "lr-knots must be finite"),
+    (["--warmup-epochs", "inf"], "warmup-epochs must be finite"),
+    (["--lookahead-start-epoch", "0", "--lookahead-every", "0"], "lookahead needs lookahead-every >= 1"),
+    (["--lookahead-start-epoch", "0", "--lookahead-decay", "2"], "lookahead-decay in [0, 1]"),
 ])
 def test_bad_options_exit_2_with_one_line(tiny_npz, args, message):
     r = cli("--data", tiny_npz, "--log-dir", "", *args)
