@@ -762,6 +762,11 @@ def parse_args(argv):
             import train_cifar
             train_cifar.make_config(w["preset"], **{k: tuple(v) if isinstance(v, list) else v
                                                    for k, v in args.settings["overrides"].items()})
+            # every trial's options (the target, each sampled LR and budget) checked now, not after hours of others
+            n_train = (args.train_subset or 50000) - args.settings["holdout"]
+            if n_train >= max(args.batch_sizes):  # (else the run stops on that, with the real data in hand)
+                for spec in plan(args.settings, args.batch_sizes, args.trials, n_train):
+                    train_cifar.make_config(w["preset"], **spec["train"])
         except ValueError as e:
             p.error(str(e))
         args.out = args.out or os.path.join("logs", f"batch-size-{args.workload}-{args.optimizer}")

@@ -1,6 +1,7 @@
 """The batch-size study: regime analysis, the quasi-random search, resume, and one real trial (seconds)."""
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -184,6 +185,15 @@ def test_trial_order_moves_trials_forward_without_changing_them():
 def test_trial_order_outside_the_trials_is_a_usage_error(tmp_path):
     with pytest.raises(SystemExit):
         sbs.main(["run", "--trials", "2", "--trial-order", "2", "--dry-run", "--out", str(tmp_path)])
+
+
+def test_an_impossible_target_is_a_usage_error_before_any_trial(tmp_path, capsys):
+    """Each trial's options pass train_cifar's checks when the study starts (a target of 2 failed inside the
+    first trial, with a traceback, after the data had loaded)."""
+    with pytest.raises(SystemExit) as e:
+        sbs.main(["run", "--target", "2", "--trials", "2", "--out", str(tmp_path), "--data", "/nonexistent.npz"])
+    assert e.value.code == 2 and "target must be in (0, 1], got 2.0" in capsys.readouterr().err
+    assert not os.listdir(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------------------------
