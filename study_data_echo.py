@@ -174,10 +174,17 @@ def study_overrides(args, workload):
     return overrides
 
 
-def one_run(args, workload, data, device, mode, factor, seed, log):
+def run_overrides(args, workload, mode, factor):
+    """train_cifar options of one run: the study's, its echoing, and its schedule stretched if the budget is fresh
+    examples."""
     overrides = dict(study_overrides(args, workload), echo=mode, echo_factor=factor)
     if args.budget == "fresh" and factor != 1:
         overrides = stretch(workload["preset"], overrides, factor)
+    return overrides
+
+
+def one_run(args, workload, data, device, mode, factor, seed, log):
+    overrides = run_overrides(args, workload, mode, factor)
     cfg = train_cifar.make_config(workload["preset"], **overrides)
     rec = dict(workload=args.workload, pipeline=args.pipeline, mode=mode, factor=factor, seed=seed,
                target=cfg["target"], reached=False, diverged=False)
@@ -343,8 +350,10 @@ def parse_args(argv):
         p.error("factors must be >= 1 and --seeds >= 1")
     try:
         args.overrides = core.parse_overrides(args.set)
-        train_cifar.make_config(WORKLOADS[args.workload]["preset"],
-                                **dict(WORKLOADS[args.workload]["overrides"], **args.overrides))
+        workload = WORKLOADS[args.workload]
+        train_cifar.make_config(workload["preset"], **dict(workload["overrides"], **args.overrides))
+        for mode, factor, _ in plan(args.modes, args.factors, [0]):  # every run's options, before any run
+            train_cifar.make_config(workload["preset"], **run_overrides(args, workload, mode, factor))
     except ValueError as e:
         p.error(str(e))
     args.out = args.out or os.path.join("logs", f"echo-{args.workload}-{args.pipeline}")

@@ -220,6 +220,16 @@ def make_config(preset=DEFAULT_PRESET, **overrides):
     unknown = set(overrides) - set(cfg)
     if unknown:
         raise ValueError(f"unknown option(s) {', '.join(sorted(unknown))}")
+    for key, value in overrides.items():  # (--set in the studies and benchmarks keeps text that is no literal)
+        default, wanted = cfg[key], None
+        if isinstance(default, bool):
+            wanted = None if isinstance(value, bool) else "True or False"
+        elif isinstance(default, (int, float)):
+            wanted = None if isinstance(value, (int, float)) and not isinstance(value, bool) else "a number"
+        elif isinstance(default, tuple):
+            wanted = None if isinstance(value, (tuple, list)) else "a tuple of numbers"
+        if value is not None and wanted:
+            raise ValueError(f"{key.replace('_', '-')} takes {wanted}, got {value!r}")
     cfg.update({k: v for k, v in overrides.items() if v is not None})
     if not cfg["reference_batch_size"]:
         cfg["reference_batch_size"] = PRESETS[preset]["batch_size"]

@@ -86,3 +86,17 @@ def test_tiny_study_writes_everything_and_resumes(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:  # other settings in the same folder are refused
         study.main(argv[:-1] + ["precision=auto"])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--target", "2"], "target must be in (0, 1], got 2.0"),
+    (["--factors", "2", "inf"], "echo-factor must be finite, got inf"),
+    (["--set", "epochs=inf"], "epochs takes a number, got 'inf'"),
+])
+def test_options_that_would_fail_a_run_are_usage_errors_before_any_run(tmp_path, capsys, args, message):
+    """Every planned run's options pass train_cifar's checks before data or output are touched (a target of 2
+    or an infinite factor failed with a traceback inside a run, after the baselines had trained)."""
+    with pytest.raises(SystemExit) as e:
+        study.main(args + ["--data", "/nonexistent.npz", "--out", str(tmp_path / "out")])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

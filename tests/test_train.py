@@ -58,6 +58,21 @@ def test_bad_options_exit_2_with_one_line(tiny_npz, args, message):
     assert message in r.stderr and r.stderr.strip().count("\n") <= 1  # argparse adds a usage line at most
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (dict(epochs="inf"), "epochs takes a number, got 'inf'"),
+    (dict(nesterov="yes"), "nesterov takes True or False"),
+    (dict(widths="8"), "widths takes a tuple of numbers"),
+    (dict(momentum=True), "momentum takes a number"),
+])
+def test_make_config_refuses_values_of_the_wrong_kind(overrides, message):
+    """What --set (studies, benchmarks) could not read as a literal stays text: an error here, not a TypeError
+    (or a string silently taken) deep in a run. Lists stand for tuples, ints for floats."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        train_cifar.make_config("fast94", **overrides)
+    cfg = train_cifar.make_config("fast94", epochs=9, lr_knots=[0, 9], lr_values=[1, 0], widths=[8, 16, 16])
+    assert cfg["epochs"] == 9 and list(cfg["widths"]) == [8, 16, 16]
+
+
 @pytest.mark.parametrize("preset", ["fast94", "fast96", "resnet9"])
 def test_help_shows_the_chosen_presets_values(preset):
     """--help gives each option's value in the preset named (fast94 when none is), as the command line takes it."""
