@@ -738,6 +738,18 @@ def run_flops(cfg, model, opt, device, precision, n_train, steps_done=None):
     return per_size[sizes[-1]], steps, total
 
 
+def load_checkpoint(path, device):
+    """A run saved by --checkpoint (written whole or not at all: saved to a temporary file, then renamed), or a
+    ValueError naming the file if it is something else."""
+    try:
+        state = torch.load(path, map_location=device, weights_only=False)
+    except Exception as e:  # pickle, zip and EOF errors differ by torch version: any means not a checkpoint
+        raise ValueError(f"{path} is not a checkpoint of train_cifar.py ({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict) or not {"cfg", "seed", "model", "opt", "result", "epoch"} <= set(state):
+        raise ValueError(f"{path} is not a checkpoint of train_cifar.py (not a saved run)")
+    return state
+
+
 def checkpoint_mismatch(state, cfg, seed, precision):
     """Why a saved run cannot continue as this one, or None. Precision is compared as resolved, so a run that
     `auto` put in fp32 continues under `--precision fp32` (checkpoints from before this was saved compare
@@ -806,7 +818,7 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
     ema = WeightEMA(model, cfg["ema_decay"], cfg["ema_every"]) if cfg["ema_every"] else None
     state = None
     if checkpoint and os.path.exists(checkpoint):
-        state = torch.load(checkpoint, map_location=device, weights_only=False)
+        state = load_checkpoint(checkpoint, device)
         why = checkpoint_mismatch(state, cfg, seed, precision)
         if why:
             raise ValueError(f"checkpoint {checkpoint} {why}")

@@ -175,6 +175,8 @@ def main():
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override an option of every preset, e.g. --set batch_size=2048")
     a = p.parse_args()
+    if a.steps < 1 or a.repeats < 1:
+        p.error("--steps and --repeats must be at least 1")
     try:
         overrides = core.parse_overrides(a.set)
         for preset in a.presets:

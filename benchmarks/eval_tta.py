@@ -29,7 +29,7 @@ import train_cifar  # noqa: E402
 def load_trained(path, device):
     """(cfg, precision, net as its run evaluated it, seed, logged final accuracy) from a finished run's
     checkpoint."""
-    state = torch.load(path, map_location=device, weights_only=False)
+    state = train_cifar.load_checkpoint(path, device)
     if state["result"]["accuracy"] is None or state["result"].get("stopped_after_epoch"):
         raise ValueError(f"{path} holds a run that has not finished (after epoch {state['epoch']})")
     cfg = state["cfg"]
@@ -101,8 +101,8 @@ def main():
     p.add_argument("--device", default=None)
     p.add_argument("--log-dir", default="logs")
     a = p.parse_args()
-    if not all(0 < c <= 1 for c in a.confidences):
-        p.error("confidences must be in (0, 1]")
+    if not all(0 < c <= 1 for c in a.confidences) or a.repeats < 1:
+        p.error("confidences must be in (0, 1] and --repeats at least 1")
     missing = [c for c in a.checkpoints if not os.path.exists(c)]
     if missing:
         p.error(f"no such checkpoint: {', '.join(missing)}")
@@ -119,8 +119,10 @@ def main():
     for path in a.checkpoints:
         try:
             cfg, precision, model, seed, logged = load_trained(path, device)
-        except (ValueError, KeyError) as e:
-            p.error(f"{path}: {e}")
+        except ValueError as e:  # (its message names the file)
+            p.error(str(e))
+        except KeyError as e:
+            p.error(f"{path}: a checkpoint without {e}, from an older train_cifar.py?")
         data = tb.to_device(raw, device, tb.DTYPES[precision], pad=cfg["pad"])
         plain = tb.predict(model, data["test_x"], precision, device)
         top = plain.softmax(1).amax(1)

@@ -252,6 +252,24 @@ def test_lookahead_sync_at_the_end_differs_from_each_epoch_only_when_an_epoch_en
     assert losses["epoch"][0] == losses["end"][0]  # the first epoch trains the same either way
 
 
+@pytest.mark.parametrize("content", ["text", "truncated", "other object"])
+def test_a_file_that_is_no_checkpoint_exits_2_with_one_line(tiny_npz, tmp_path, content):
+    """A checkpoint cut short (copied half-way), a text file or another saved object: named, not a traceback."""
+    ckpt = tmp_path / "run.pt"
+    if content == "text":
+        ckpt.write_text("not a checkpoint\n")
+    elif content == "truncated":
+        train_cifar.train("resnet9", data=np.load(tiny_npz), checkpoint=str(ckpt), log=lambda *a: None,
+                          log_dir=None, **dict(TINY, epochs=1))
+        ckpt.write_bytes(ckpt.read_bytes()[:2000])
+    else:
+        torch.save([1, 2, 3], ckpt)
+    r = cli("--data", tiny_npz, "--log-dir", "", "--preset", "resnet9", "--checkpoint", str(ckpt), "--widths", "8", "16",
+            "16", "16", "--batch-size", "50", "--epochs", "1", "--precision", "fp32")
+    assert r.returncode == 2 and f"{ckpt} is not a checkpoint of train_cifar.py" in r.stderr
+    assert r.stderr.strip().count("\n") == 0
+
+
 def test_checkpoint_mismatch_compares_precision_as_resolved():
     cfg = train_cifar.make_config("fast94")  # precision "auto"
     state = dict(cfg=cfg, seed=4, precision="fp32")
