@@ -45,6 +45,8 @@ def main():
     p.add_argument("--allocators", nargs="+", default=None, help="default: every one found")
     p.add_argument("--out", default=os.path.join(ROOT, "logs", "bench_allocator.jsonl"))
     a = p.parse_args()
+    if min(a.steps, a.repeats) < 1 or (a.threads is not None and a.threads < 1):
+        p.error("--steps, --repeats and --threads must be at least 1")
     found = allocators()
     names = a.allocators or list(found)
     missing = [n for n in names if n not in found]

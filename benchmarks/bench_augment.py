@@ -38,6 +38,8 @@ def main():
     p.add_argument("--device", default=None)
     p.add_argument("--log-dir", default="logs")
     a = p.parse_args()
+    if min(a.batch, a.batches, a.repeats) < 1:
+        p.error("--batch, --batches and --repeats must be at least 1")
     device = torch.device(a.device) if a.device else tb.default_device()
     data = tb.to_device(tb.load_cifar10(a.data), device, torch.float32, pad=4)
     n = len(data["train_y"])

@@ -34,6 +34,8 @@ def main():
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="preset overrides")
     p.add_argument("--out", default="logs/bench_ddp.jsonl", help="JSONL file rank 0 appends to ('' for none)")
     a = p.parse_args()
+    if min(a.steps, a.repeats) < 1 or a.warmup < 0:
+        p.error("--steps and --repeats must be at least 1, --warmup at least 0")
     try:
         cfg = train_cifar.make_config(a.preset, **core.parse_overrides(a.set))
     except ValueError as e:
