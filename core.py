@@ -140,6 +140,45 @@ class Table:
         self.out(" ".join(format_cell(values.get(c, ""), self.width) for c in self.columns))
 
 
+def format_duration(seconds):
+    """65 -> '1m05s', 3725 -> '1h02m', 7 -> '0m07s': for elapsed times and ETAs."""
+    s = int(round(seconds))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class Progress:
+    """One line of progress, rewritten in place at most every `every_s` seconds: for work that runs long between
+    the lines a job prints (an epoch on a CPU can take minutes). Meant for a terminal: in a file the rewrites
+    would pile up, so callers create it only there."""
+
+    def __init__(self, out, every_s=2.0, clock=time.perf_counter):
+        self.out, self.every_s, self.clock = out, every_s, clock
+        self.label, self.total, self.started, self.shown, self.width = "", 0, 0.0, 0.0, 0
+
+    def start(self, label, total):
+        self.label, self.total = label, total
+        self.started = self.shown = self.clock()
+
+    def update(self, done):
+        now = self.clock()
+        if now - self.shown < self.every_s or done < 1:
+            return
+        self.shown = now
+        each = (now - self.started) / done
+        text = (f"{self.label}: {done}/{self.total} ({each:.2f} s each, "
+                f"~{format_duration(each * (self.total - done))} to go)")
+        self.out.write("\r" + text.ljust(self.width))
+        self.out.flush()
+        self.width = len(text)
+
+    def clear(self):
+        """Blank the line (before the job prints one of its own)."""
+        if self.width:
+            self.out.write("\r" + " " * self.width + "\r")
+            self.out.flush()
+            self.width = 0
+
+
 def write_json_atomic(path, obj):
     """Write via a temporary file and rename, so a crash never leaves a half-written file."""
     tmp = f"{path}.tmp{os.getpid()}"

@@ -325,11 +325,6 @@ def append_trial(path, rec):
         os.fsync(f.fileno())
 
 
-def fmt_duration(s):
-    s = int(round(s))
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-
-
 def describe_params(p):
     bits = [f"lr_eff {p['lr_eff']:.3g}"] + ([f"m {p['momentum']:.3f}"] if p["momentum"] else [])
     bits += [f"warm-up {p['warmup_frac']:.2f}", f"decay to {p['decay_to']:.3g}"]
@@ -397,7 +392,7 @@ def run_study(specs, trial_fn, path, settings, log=print, others=()):
         eta = sum(np.mean(walls[s["batch_size"]]) if walls[s["batch_size"]] else np.mean(everything)
                   for s in todo[i:])
         log(f"[{i}/{len(todo)}] {describe(rec)} | {rec.get('wall_s', 0.0):.0f} s | "
-            f"elapsed {fmt_duration(time.perf_counter() - t0)}, ETA {fmt_duration(eta)}")
+            f"elapsed {core.format_duration(time.perf_counter() - t0)}, ETA {core.format_duration(eta)}")
     return records
 
 

@@ -366,11 +366,6 @@ def parse_args(argv):
     return p, args
 
 
-def fmt_duration(s):
-    s = int(round(s))
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-
-
 def main(argv=None):
     parser, args = parse_args(argv)
     workload = WORKLOADS[args.workload]
@@ -443,8 +438,9 @@ def main(argv=None):
                 else:
                     what = ("DIVERGED" if rec["diverged"] else
                             f"did not reach {rec['target']:g} (acc {rec['accuracy']:.4f})")
+                elapsed = core.format_duration(time.perf_counter() - t0)
                 print(f"[{i}/{len(todo)}] {mode:>18} e={factor:<4g} seed {seed}: {what} (run {rec['wall_s']:.0f} s) | "
-                      f"elapsed {fmt_duration(time.perf_counter() - t0)}, ETA {fmt_duration(eta)}", flush=True)
+                      f"elapsed {elapsed}, ETA {core.format_duration(eta)}", flush=True)
     except KeyboardInterrupt:
         print("\ninterrupted: the run in flight is lost, finished runs are kept; run the same command to resume",
               flush=True)

@@ -12,6 +12,7 @@ import contextlib
 import datetime
 import math
 import os
+import sys
 import time
 
 import numpy as np
@@ -776,13 +777,14 @@ def checkpoint_mismatch(state, cfg, seed, precision):
 
 
 def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=None, checkpoint=None,
-             rank=0, world=1):
+             rank=0, world=1, progress=None):
     """Trains one network from scratch and returns its result entry (the `runs` item of the summary).
 
     checkpoint: a path; the run's whole state is saved there after every epoch and, if the file exists, the
     run continues from it (its timer too), so long CPU runs can span several sessions.
     rank, world: under torchrun every process draws the same shuffles and augmentations and trains on its
-    slice of each global batch; DDP averages the gradients, so the update is that of the global batch."""
+    slice of each global batch; DDP averages the gradients, so the update is that of the global batch.
+    progress: a core.Progress told each step (host-side: it waits for nothing), or None."""
     sync = tb.synchronizer(device)
     torch.manual_seed(seed)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -883,6 +885,8 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
         correct = torch.zeros((), device=device, dtype=torch.long)
         seen, stop, epoch_start = 0, False, timer.total
         model.train()
+        if progress:
+            progress.start(f"run {run_index} epoch {epoch}", min(per_epoch, total_steps - step))
         for i in range(per_epoch):
             if step >= total_steps:
                 break
@@ -899,6 +903,8 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
             if history is not None:
                 record_losses(history, idx, out, y, cfg["label_smoothing"], world)
             step += 1
+            if progress:
+                progress.update(i + 1)
             loss_sum += loss.detach() * len(y)
             correct += (out.detach().argmax(1) == y).sum()
             seen += len(y)
@@ -915,6 +921,8 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
                                              result, step, per_epoch, loss, ema)
                 if stop:
                     break
+        if progress:
+            progress.clear()
         if lookahead is not None and (cfg["lookahead_sync"] == "epoch" or step >= total_steps):
             lookahead.update(1.0)
         if proxy is not None:
@@ -1029,13 +1037,14 @@ def summarise(cfg, results, hardware, precision, flops_per_step, steps, flops_pe
 
 
 def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=print, log_dir=None, checkpoint=None,
-          **overrides):
+          progress=None, **overrides):
     """Runs one configuration (cfg['runs'] seeds) and returns the summary that is also written as JSON.
 
     data: numpy arrays as returned by torch_backend.load_cifar10 (else loaded from data_path, default
     $CIFAR10_DATA or ./data).
     log_dir: where the JSON summary and TSV table go (None: write nothing). Raises Diverged on NaN loss.
     checkpoint: save/resume path for a single long run (see run_once).
+    progress: a core.Progress for the steps within each epoch; None: one on stderr if it is a terminal.
     Under torchrun every process calls this; only rank 0 prints and writes logs."""
     cfg = make_config(preset, **overrides)
     cfg["cpu_conv"] = tb.resolve_cpu_conv(cfg["cpu_conv"])  # the log says which kernels ran
@@ -1046,6 +1055,8 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
         raise ValueError("--checkpoint is for single-process runs")
     if rank != 0:
         log, log_dir = (lambda *a: None), None
+    if progress is None and rank == 0 and sys.stderr.isatty():
+        progress = core.Progress(sys.stderr)
     if device is None and world > 1 and torch.cuda.is_available():
         device = f"cuda:{local_rank}"
     device = torch.device(device) if device is not None else tb.default_device()
@@ -1104,7 +1115,7 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
         for r in range(cfg["runs"]):
             try:
                 res = run_once(cfg, on_device, r, cfg["seed"] + r, device, precision, log=log, on_epoch=on_epoch,
-                               checkpoint=checkpoint, rank=rank, world=world)
+                               checkpoint=checkpoint, rank=rank, world=world, progress=progress)
             except Diverged:
                 results.append(dict(seed=cfg["seed"] + r, accuracy=None, epoch_reached_target=None,
                                     time_to_target_s=None, total_time_s=None, train_flops=None, diverged=True))
@@ -1120,6 +1131,8 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
                 core.write_json_atomic(json_path, summarise(cfg, results, hardware, precision, flops_per_step, steps,
                                                             flops_per_run, commit))
     finally:
+        if progress:  # (an interrupted epoch leaves its line)
+            progress.clear()
         summary = summarise(cfg, results, hardware, precision, flops_per_step, steps, flops_per_run, commit)
         if json_path:
             core.write_json_atomic(json_path, summary)

@@ -1,3 +1,4 @@
+import io
 import json
 import math
 import os
@@ -93,6 +94,28 @@ def test_paired_difference_cancels_what_each_pair_shares():
     assert core.mean_difference(list(a + luck), list(b + luck))["se"] > 5 * plain["se"]
     assert math.isnan(core.paired_difference([1.0], [2.0])["se"])
     assert math.isnan(core.mean_difference([1.0], [2.0, 3.0])["se"])
+
+
+def test_progress_rewrites_one_line_at_most_every_interval_and_clears_it():
+    now = [100.0]
+    out = io.StringIO()
+    p = core.Progress(out, every_s=2.0, clock=lambda: now[0])
+    p.start("run 0 epoch 1", 10)
+    now[0] += 1.5
+    p.update(1)
+    assert out.getvalue() == ""  # before the first interval: nothing
+    now[0] += 1.5
+    p.update(3)  # 3 s for 3 steps: 1 s each, 7 to go
+    assert out.getvalue() == "\rrun 0 epoch 1: 3/10 (1.00 s each, ~0m07s to go)"
+    now[0] += 1.0
+    p.update(4)
+    assert out.getvalue().count("\r") == 1  # throttled
+    width = len("run 0 epoch 1: 3/10 (1.00 s each, ~0m07s to go)")
+    p.clear()
+    assert out.getvalue().endswith("\r" + " " * width + "\r")
+    p.clear()
+    assert out.getvalue().endswith("\r" + " " * width + "\r")  # nothing shown: nothing to clear
+    assert [core.format_duration(s) for s in (7, 65, 3725)] == ["0m07s", "1m05s", "1h02m"]
 
 
 def test_json_atomic_and_tsv_append(tmp_path):

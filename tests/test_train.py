@@ -1,4 +1,5 @@
 import collections
+import io
 import json
 import os
 import re
@@ -268,6 +269,19 @@ def test_a_file_that_is_no_checkpoint_exits_2_with_one_line(tiny_npz, tmp_path, 
             "16", "16", "--batch-size", "50", "--epochs", "1", "--precision", "fp32")
     assert r.returncode == 2 and f"{ckpt} is not a checkpoint of train_cifar.py" in r.stderr
     assert r.stderr.strip().count("\n") == 0
+
+
+def test_progress_within_epochs_reports_every_step_and_changes_nothing(tiny):
+    """A run told to show progress (on a terminal, by default) reports each epoch's steps on one line, clears it
+    before the epoch's row, and trains exactly as one that does not."""
+    out = io.StringIO()
+    shown = train_cifar.train("resnet9", data=tiny, log=lambda *a: None, progress=core.Progress(out, every_s=0),
+                              **dict(TINY, epochs=2))
+    plain = train_cifar.train("resnet9", data=tiny, log=lambda *a: None, progress=False, **dict(TINY, epochs=2))
+    lines = [part for part in out.getvalue().split("\r") if part.strip()]
+    assert [line.split(" (")[0] for line in lines] == [f"run 0 epoch {e}: {i}/4" for e in (1, 2) for i in range(1, 5)]
+    assert out.getvalue().endswith("\r") and out.getvalue().split("\r")[-2].strip() == ""  # cleared
+    assert [r["train_loss"] for r in shown["runs"][0]["epochs"]] == [r["train_loss"] for r in plain["runs"][0]["epochs"]]
 
 
 def test_checkpoint_mismatch_compares_precision_as_resolved():
