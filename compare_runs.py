@@ -24,20 +24,13 @@ NOT_RECIPE = {"runs", "seed", "compile", "compile_mode", "cpu_conv", "eval_every
               "loader_workers", "target", "stop_after_epochs", "loss_scale"}
 
 
-class LogError(ValueError):
-    pass
+LogError = core.LogError
 
 
 def load_log(path):
-    try:
-        with open(path) as f:
-            log = json.load(f)
-    except OSError as e:
-        raise LogError(f"cannot read {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise LogError(f"{path} is not JSON ({e.msg}, line {e.lineno})") from None
-    if not isinstance(log, dict) or not isinstance(log.get("runs"), list) or not isinstance(log.get("config"), dict):
-        raise LogError(f"{path} is not a train_cifar.py log (no runs and config)")
+    log = core.read_run_log(path)
+    if not isinstance(log.get("config"), dict):
+        raise LogError(f"{path} is not a train_cifar.py log (no config)")
     return log
 
 
@@ -53,8 +46,7 @@ def recipe_differences(logs):
     """{key: [each log's value]} for the recipe keys that differ between logs; keys a log lacks (logs written
     before the option existed) are not compared."""
     recipes = [recipe(log) for log in logs]
-    shared = set.intersection(*(set(r) for r in recipes))
-    return {k: [r[k] for r in recipes] for k in sorted(shared) if any(r[k] != recipes[0][k] for r in recipes)}
+    return {k: [r[k] for r in recipes] for k in core.differing_keys(recipes)}
 
 
 def finished(run):

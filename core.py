@@ -209,6 +209,33 @@ class TsvLog:
         self.f.close()
 
 
+class LogError(ValueError):
+    """A log that cannot be read as what it should be."""
+
+
+def read_run_log(path):
+    """The JSON summary train_cifar.py writes (preset, config, runs, ...), or a LogError saying what is wrong."""
+    try:
+        with open(path) as f:
+            log = json.load(f)
+    except OSError as e:
+        raise LogError(f"cannot read {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise LogError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); is the file truncated?") from None
+    if not isinstance(log, dict) or not isinstance(log.get("runs"), list) or "preset" not in log:
+        raise LogError(f"{path} is not a train_cifar.py log (no preset and runs)")
+    return log
+
+
+def differing_keys(dicts, ignore=()):
+    """The keys, present in every dict and not ignored, whose values differ between them; numbers compare as
+    numbers (10 and 10.0 are one setting) and tuples as lists (as they come back from JSON)."""
+    def plain(v):
+        return [plain(u) for u in v] if isinstance(v, (list, tuple)) else v
+    shared = set.intersection(*(set(d) for d in dicts)) - set(ignore) if dicts else set()
+    return sorted(k for k in shared if any(plain(d[k]) != plain(dicts[0][k]) for d in dicts))
+
+
 def read_tsv(path):
     with open(path) as f:
         lines = [l.rstrip("\n").split("\t") for l in f if l.strip()]

@@ -17,8 +17,7 @@ import sys
 import core
 
 
-class LogError(ValueError):
-    pass
+LogError = core.LogError
 
 
 def load_reference(path):
@@ -49,35 +48,17 @@ def comparison(summaries, references):
     return list(columns), [dict({"epoch": e}, **{k: c[e] for k, c in columns.items() if e in c}) for e in epochs]
 
 
-def load_summary(path):
-    try:
-        with open(path) as f:
-            summary = json.load(f)
-    except OSError as e:
-        raise LogError(f"cannot read {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise LogError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); is the file truncated?") from None
-    if not isinstance(summary, dict) or not isinstance(summary.get("runs"), list) or "preset" not in summary:
-        raise LogError(f"{path} is not a train_cifar.py summary (no preset and runs)")
-    return summary
-
-
 RUN_KEYS = ("seed", "runs")  # differ between invocations of one configuration
 
 
 def config_differences(summaries):
     """Per summary, its settings of the config keys on which the summaries differ (seed and runs aside; keys
     an older log lacks are not compared), as "key=value" strings: what tells their curves apart."""
-    def same_numbers(v):  # 10 and 10.0 (preset against command line) are one setting
-        if isinstance(v, (list, tuple)):
-            return [same_numbers(u) for u in v]
-        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
-    configs = [{k: same_numbers(v) for k, v in s.get("config", {}).items()} for s in summaries]
-    shared = set.intersection(*(set(c) for c in configs)) - set(RUN_KEYS) if configs else set()
-    differ = sorted(k for k in shared if len({json.dumps(c[k], sort_keys=True) for c in configs}) > 1)
+    configs = [s.get("config", {}) for s in summaries]
+    differ = core.differing_keys(configs, ignore=RUN_KEYS)
 
     def show(v):
-        if isinstance(v, list):
+        if isinstance(v, (list, tuple)):
             return "[" + ", ".join(show(u) for u in v) + "]"
         return f"{v:g}" if isinstance(v, float) else json.dumps(v)
     return [", ".join(f"{k}={show(c[k])}" for k in differ) for c in configs]
@@ -162,7 +143,7 @@ def main(argv=None):
     try:
         if a.reference and a.x != "epoch":
             raise LogError("reference curves are per epoch and from other hardware: plot them with --x epoch")
-        summaries = [load_summary(path) for path in a.logs]
+        summaries = [core.read_run_log(path) for path in a.logs]
         references = [load_reference(path) for path in a.reference]
         n = plot(summaries, a.out, a.x, references)
     except LogError as e:

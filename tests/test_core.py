@@ -2,6 +2,7 @@ import io
 import json
 import math
 import os
+import re
 import statistics
 import time
 
@@ -116,6 +117,31 @@ def test_progress_rewrites_one_line_at_most_every_interval_and_clears_it():
     p.clear()
     assert out.getvalue().endswith("\r" + " " * width + "\r")  # nothing shown: nothing to clear
     assert [core.format_duration(s) for s in (7, 65, 3725)] == ["0m07s", "1m05s", "1h02m"]
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "cannot read"),
+    ('{"preset": "fast94", "runs": [', "is not valid JSON (Expecting value at line 1); is the file truncated?"),
+    ('{"rows": []}', "is not a train_cifar.py log (no preset and runs)"),
+    ('[1, 2]', "is not a train_cifar.py log (no preset and runs)"),
+])
+def test_read_run_log_names_the_file_and_what_is_wrong(tmp_path, content, message):
+    path = tmp_path / "log.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(core.LogError, match=re.escape(message)) as e:
+        core.read_run_log(str(path))
+    assert str(path) in str(e.value)
+    path.write_text('{"preset": "fast94", "runs": [], "config": {}}')
+    assert core.read_run_log(str(path))["preset"] == "fast94"
+
+
+def test_differing_keys_compares_numbers_as_numbers_and_skips_keys_not_everywhere():
+    a = dict(epochs=10, widths=(64, 256, 256), lr=0.5, seed=0, new_option=1)
+    b = dict(epochs=10.0, widths=[64, 256, 256], lr=0.6, seed=1)
+    assert core.differing_keys([a, b]) == ["lr", "seed"]
+    assert core.differing_keys([a, b], ignore=["seed"]) == ["lr"]
+    assert core.differing_keys([a, dict(a, widths=(64, 256, 512))]) == ["widths"]
 
 
 def test_json_atomic_and_tsv_append(tmp_path):

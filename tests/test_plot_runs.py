@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+import core
 import plot_runs
 import train_cifar
 from conftest import synthetic
@@ -22,7 +23,7 @@ def logged(tmp_path_factory):
 
 
 def test_curves_follow_the_logged_table(logged):
-    summary = plot_runs.load_summary(logged[0])
+    summary = core.read_run_log(logged[0])
     with open(logged[1]) as f:
         table = list(csv.DictReader(f, delimiter="\t"))
     for x, column in (("epoch", "epoch"), ("time", "total_time")):
@@ -46,7 +47,7 @@ def test_plot_writes_a_png(logged, tmp_path):
 
 @pytest.mark.parametrize("content, message", [
     ('{"preset": "fast94", "runs": [', "not valid JSON"),
-    ('{"rows": []}', "not a train_cifar.py summary"),
+    ('{"rows": []}', "not a train_cifar.py log"),
     ('{"preset": "fast94", "runs": [], "config": {"target": 0.94}}', "none of the logs has a run"),
 ])
 def test_bad_logs_exit_2_with_one_line(tmp_path, capsys, content, message):
@@ -111,7 +112,7 @@ def test_published_reference_curves_load():
 
 
 def test_logs_of_different_configurations_are_told_apart_in_the_labels(logged):
-    summary = plot_runs.load_summary(logged[0])
+    summary = core.read_run_log(logged[0])
     other = json.loads(json.dumps(summary))
     other["config"].update(epochs=4, seed=5, runs=1)  # seed and runs alone do not make another configuration
     older = json.loads(json.dumps(summary))
