@@ -5,8 +5,8 @@ and compare two series: is a variant better, or within the noise?
     python compare_runs.py logs/fast94-20261202-05*.json --vs logs/fast94-20261204-23*.json
 
 For each series: the logs and finished runs pooled, their seeds, final test accuracy (mean ± sample std, and the
-standard error of the mean), how many reach the target, time per run and training FLOPs, and the hardware it ran
-on. For two: the difference of mean accuracies (B - A) with Welch's standard error and 95% interval, and, over
+standard error of the mean), how many reach the target and how far the mean is from it (95% interval), training
+FLOPs, and the time per run on each machine it ran on (times on different hardware are not pooled). For two: the difference of mean accuracies (B - A) with Welch's standard error and 95% interval, and, over
 the seeds both series ran, the paired difference (each seed's luck in data order and initialisation cancels, so
 it is the sharper test when the runs were made as pairs). Reads the JSON summaries train_cifar.py writes.
 
@@ -37,7 +37,7 @@ def load_log(path):
 def recipe(log):
     """What a log's runs trained: its hyper-parameters without NOT_RECIPE, with the preset, the resolved
     precision and the number of processes."""
-    keys = dict((k, v) for k, v in log["config"].items() if k not in NOT_RECIPE)
+    keys = {k: v for k, v in log["config"].items() if k not in NOT_RECIPE}
     keys.update(preset=log.get("preset"), resolved_precision=log.get("precision"), world_size=log.get("world_size", 1))
     return keys
 
@@ -74,7 +74,8 @@ def series(paths, allow_mixed=False):
 
 
 def seed_ranges(seeds):
-    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'; seeds run more than once named after: [0, 1, 1, 2, 2] -> '0-2; 1-2 run twice'."""
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'; seeds run more than once are named after them:
+    [0, 1, 1, 2, 2] -> '0-2; 1-2 run twice'."""
     by_count = {}
     for s in sorted(set(seeds)):
         if seeds.count(s) > 1:
@@ -132,8 +133,10 @@ def describe(name, s, out=print):
         out("  training FLOPs " + " / ".join(f"{f:.3f}" for f in m["flops"]) + " PF a run")
     for h, times in m["hardware"].items():
         mean_time, std_time = core.mean_std(times)
-        out(f"  on {h}: " + (f"1 run, {mean_time:.1f} s" if len(times) == 1 else
-                              f"{len(times)} runs, {mean_time:.1f} ± {std_time:.1f} s a run" if times else "no times"))
+        if len(times) > 1:
+            out(f"  on {h}: {len(times)} runs, {mean_time:.1f} ± {std_time:.1f} s a run")
+        else:
+            out(f"  on {h}: " + (f"1 run, {mean_time:.1f} s" if times else "no times logged"))
     if s["left_out"]:
         out(f"  ({s['left_out']} unfinished, diverged or cut-short run(s) left out)")
     for key, values in s["differences"].items():
