@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import datetime
 import math
+import numbers
 import os
 import sys
 import time
@@ -221,12 +222,12 @@ def make_config(preset=DEFAULT_PRESET, **overrides):
     unknown = set(overrides) - set(cfg)
     if unknown:
         raise ValueError(f"unknown option(s) {', '.join(sorted(unknown))}")
-    for key, value in overrides.items():  # (--set in the studies and benchmarks keeps text that is no literal)
+    for key, value in overrides.items():  # of the wrong kind: --set (studies, benchmarks) keeps non-literals as text
         default, wanted = cfg[key], None
         if isinstance(default, bool):
             wanted = None if isinstance(value, bool) else "True or False"
-        elif isinstance(default, (int, float)):
-            wanted = None if isinstance(value, (int, float)) and not isinstance(value, bool) else "a number"
+        elif isinstance(default, (int, float)):  # (numpy's numbers too)
+            wanted = None if isinstance(value, numbers.Real) and not isinstance(value, bool) else "a number"
         elif isinstance(default, tuple):
             wanted = None if isinstance(value, (tuple, list)) else "a tuple of numbers"
         if value is not None and wanted:
@@ -1044,7 +1045,7 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
     $CIFAR10_DATA or ./data).
     log_dir: where the JSON summary and TSV table go (None: write nothing). Raises Diverged on NaN loss.
     checkpoint: save/resume path for a single long run (see run_once).
-    progress: a core.Progress for the steps within each epoch; None: one on stderr if it is a terminal.
+    progress: a core.Progress for the steps within each epoch; None: one on stderr if it is a terminal; False: none.
     Under torchrun every process calls this; only rank 0 prints and writes logs."""
     cfg = make_config(preset, **overrides)
     cfg["cpu_conv"] = tb.resolve_cpu_conv(cfg["cpu_conv"])  # the log says which kernels ran
