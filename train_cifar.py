@@ -133,9 +133,11 @@ PRESETS = {
     # 449 ± 24 s, logs/fast94-20261202-051400-6620, -052224-7258, -053112-7322, -053948-7400, -054730-7462;
     # seeds 5-8 (93.96, 94.11, 94.29, 94.10, logs/fast94-20261202-100741-26284) and 9-11 (94.23, 94.07, 94.18,
     # logs/fast94-20261202-124557-1360): 94.12 ± 0.10% over n=12; seeds 12-15 on a Zen 4 (94.23, 94.26, 94.32,
-    # 94.15; 874 ± 15 s, logs/fast94-20261204-230116-23640): 94.15 ± 0.10% over n=16. NVIDIA H200, compiled:
-    # 94.14 ± 0.12% (n=20, 18 reach 94%), 2.79 ± 0.24 s a run, logs/fast94-20261204-163352-1899 (the lease before,
-    # only the net compiled: 94.08 ± 0.15%, 2.67 ± 0.19 s, logs/fast94-20261204-101918-1831).
+    # 94.15; 874 ± 15 s, logs/fast94-20261204-230116-23640): 94.15 ± 0.10% over n=16; seeds 16-19 there a day
+    # later (94.17, 93.92, 94.12, 94.12; 693 ± 6 s, logs/fast94-20261205-012711-15184): 94.14 ± 0.11% over n=20
+    # (18 reach 94%). NVIDIA H200, compiled: 94.14 ± 0.12% (n=20, 18 reach 94%), 2.79 ± 0.24 s a run,
+    # logs/fast94-20261204-163352-1899 (the lease before, only the net compiled: 94.08 ± 0.15%, 2.67 ± 0.19 s,
+    # logs/fast94-20261204-101918-1831).
     # Same machine and seeds, the forms before: 8 epochs, the first 3 at 24 px (0.234 PF): 93.87 ± 0.15%
     # (logs/fast94-20261202-034005-2703, -035808-3828; 94.02 ± 0.17% on the AMX CPU, logs/fast94-20261202-010346-
     # 15337 and -012426-15601: 93.95 over the ten, at 94.0 rather than above it); 9 epochs, 20 px then 3 at 24
