@@ -69,7 +69,7 @@ def series(paths, allow_mixed=False):
     done = [r for r in runs if finished(r)]
     if not done:
         raise LogError(f"no finished run in {', '.join(paths)}")
-    return dict(paths=list(paths), presets=sorted({str(log.get("preset")) for log in logs}), runs=done,
+    return dict(paths=list(paths), logs=logs, presets=sorted({str(log.get("preset")) for log in logs}), runs=done,
                 left_out=len(runs) - len(done), differences=differ)
 
 
@@ -153,12 +153,12 @@ def interval(d):
 def compare(a, b, out=print):
     acc = [[100 * r["accuracy"] for r in s["runs"]] for s in (a, b)]
     out(f"B - A, all runs (Welch): {interval(core.mean_difference(*acc))}")
-    elsewhere = "" if summary(a)["hardware"].keys() == summary(b)["hardware"].keys() else " (on different hardware)"
+    hardware_a, hardware_b = summary(a)["hardware"], summary(b)["hardware"]
+    elsewhere = "" if hardware_a.keys() == hardware_b.keys() else " (on different hardware)"
     seeds, in_a, in_b = paired_runs(a, b)
     if seeds:  # (on other hardware a seed may not draw the same initialisation and data order)
         out(f"B - A, paired over the {len(seeds)} seed(s) both ran ({seed_ranges(seeds)}): "
             f"{interval(core.paired_difference(in_a, in_b))}{elsewhere}")
-    hardware_a, hardware_b = summary(a)["hardware"], summary(b)["hardware"]
     for h in hardware_a.keys() & hardware_b.keys():  # times compare on one machine only
         if hardware_a[h] and hardware_b[h]:
             ratio = core.mean_std(hardware_b[h])[0] / core.mean_std(hardware_a[h])[0]
@@ -180,7 +180,7 @@ def main(argv=None):
     describe("A" if second else "series", first)
     if second:
         describe("B", second)
-        logs = [load_log(a.logs[0]), load_log(a.vs[0])]
+        logs = [first["logs"][0], second["logs"][0]]
         changed = recipe_differences(logs)
         unknown = sorted(set(recipe(logs[0])) ^ set(recipe(logs[1])))  # options one log predates
         print("B's recipe against A's: " + ("the same" if not changed else "; ".join(

@@ -272,8 +272,8 @@ def check_config(cfg):
         if not ok:
             raise ValueError(msg)
     for key, value in cfg.items():  # an infinite epoch count, knot or scale is never meant
-        numbers = value if isinstance(value, (tuple, list)) else [value]
-        need(all(math.isfinite(v) for v in numbers if isinstance(v, float)),
+        values = value if isinstance(value, (tuple, list)) else [value]
+        need(all(math.isfinite(v) for v in values if isinstance(v, float)),
              f"{key.replace('_', '-')} must be finite, got {value}")
     need(cfg["net"] in NETS, f"unknown net {cfg['net']!r}; choose one of {', '.join(NETS)}")
     need(not cfg["whiten_bias_epochs"] or cfg["net"] == "fastnet", "whiten-bias-epochs needs net fastnet")
