@@ -1190,6 +1190,80 @@ def as_flag_value(value):
     return str(value)
 
 
+# What each option means, for --help (its value in the chosen preset is shown above it). Every config key has
+# one (tests/test_train.py), so a new option cannot reach the command line unexplained.
+OPTION_HELP = dict(
+    # The run
+    runs="runs in this invocation, seeds seed, seed+1, ... (the summary gives mean ± std over them)",
+    seed="seed of the first run (the net's init, data order and augmentation all follow from it)",
+    target="test accuracy a run is judged against (time_to_target, runs reaching it)",
+    stop_at_target="end a run at the first evaluation that reaches the target (for studies)",
+    stop_after_epochs="end each run after this many epochs of its schedule (0: all; with --checkpoint, resume later)",
+    eval_every="evaluate on the test set every this many epochs, untimed (0: only at the end)",
+    eval_every_steps="also evaluate every this many steps (0: never); results in the log's runs[i][\"evals\"]",
+    holdout="evaluate on this many held-out training images instead of the test set (0: the test set)",
+    precision="auto (bf16 where the device runs it fast, fp16 on older GPUs, else fp32), fp32, bf16 or fp16",
+    loss_scale="fp16: batch (fixed, the batch size rounded to a power of 2), dynamic (GradScaler) or a number",
+    compile="torch.compile the training step (compilation is outside the timer)",
+    compile_mode="torch.compile mode: default, reduce-overhead (CUDA graphs), max-autotune(-no-cudagraphs)",
+    cpu_conv="CPU bf16 conv kernels: auto, matmul (small maps by matmul; faster with AMX) or onednn",
+    # The net
+    net="resnet9, resnet9_tricks, preact_resnet18, preact_resnet18_dup or fastnet",
+    widths="channels of each block (fastnet: 3, the others: 4; none: the net's own)",
+    block_depth="fastnet: convs per block, 2 or 3 (3: the last two inside a residual, as airbench96)",
+    bn_momentum="fastnet: BatchNorm momentum in PyTorch's convention (the weight of the new batch)",
+    bn_group_size="ghost batch norm: normalise each group of this many images on its own (0: the whole batch)",
+    whiten_bias_epochs="fastnet: train the whitening conv's bias for the first this many epochs only (0: always)",
+    whiten_bias_fast="fastnet: the whitening bias trains with the BN biases at bias-lr-scale (else at the plain LR)",
+    # Optimisation
+    epochs="epochs of training (may be fractional)",
+    batch_size="images per step (over all processes together)",
+    lr_knots="epochs at which the piecewise-linear LR schedule has its knots",
+    lr_values="the LR at each knot (SGD on the batch-mean loss)",
+    momentum="momentum of SGD (and of the non-filter parameters under muon or lars)",
+    nesterov="Nesterov momentum",
+    weight_decay="L2 coefficient, PyTorch's (decay per step is LR x weight decay)",
+    bias_lr_scale="BN biases take this times the LR and 1/this times the weight decay",
+    label_smoothing="label smoothing of the cross-entropy loss",
+    optimizer="sgd, lars (layer-wise trust ratios, for large batches) or muon (orthogonalised conv updates)",
+    muon_lr_scale="muon: the conv filters' LR as a multiple of the schedule's",
+    muon_momentum="muon: the conv filters' momentum",
+    muon_norm="muon: each filter's norm held at initial (its own), sqrt_out (sqrt(out channels)) or none",
+    muon_ns_steps="muon: Newton-Schulz steps per update",
+    trust_coefficient="lars: the trust coefficient (the update's size relative to the weight's norm)",
+    lr_scaling="scale the LR for batch sizes other than reference-batch-size: none, linear or sqrt",
+    reference_batch_size="the batch size the LR schedule was tuned at (0: the preset's own)",
+    warmup_epochs="rise linearly from LR 0 over this many epochs into the schedule (0: none)",
+    lookahead_start_epoch="lookahead from this epoch on: the net pulled towards a slow average (-1: off)",
+    lookahead_every="lookahead: steps between pulls",
+    lookahead_decay="lookahead: the average's decay per step (to the power lookahead-every per pull)",
+    lookahead_pow="lookahead: the decay is scaled by (step / total steps) to this power",
+    lookahead_sync="lookahead: copy the average into the net at every epoch end (epoch) or at the end only (end)",
+    ema_every="evaluate a moving average of the weights, updated every this many steps (0: off)",
+    ema_decay="the moving average's decay per step (to the power ema-every per update)",
+    # Data
+    flip="horizontal flips: random, alternate (each image flipped on alternate epochs) or none",
+    pad="random translation: crops from images reflect-padded by this many pixels",
+    cutout="side of a square zeroed at a random place in each training image (0: none)",
+    train_sizes="progressive resizing: the training images' side in each epoch, the last repeating (none: 32)",
+    tta="test-time augmentation: 0 none, 1 with the mirror, 2 both also shifted by a pixel (6 views)",
+    tta_confidence="run the extra TTA views only on images predicted below this probability (0: on every one)",
+    select_fraction="data selection: train on this fraction of each step's candidates, the hardest (1: off)",
+    select_by="data selection scores candidates by a proxy net's loss (proxy) or their own last loss (loss)",
+    proxy_widths="data selection: the proxy fastnet's three widths",
+    proxy_every="data selection: the proxy takes an SGD step every this many steps",
+    pipeline="device (batched augmentation on the device) or loader (per-image DataLoader workers)",
+    loader_workers="pipeline loader: DataLoader worker processes",
+    echo="data echoing: none, example-before-aug, example-after-aug or batch",
+    echo_factor="data echoing: how often each item is repeated on average (1: no echoing)",
+    echo_shuffle_buffer="data echoing: stream the echoed items through a shuffle buffer of this many (0: none)",
+    # Many processes (torchrun)
+    sync_bn_group_size="batch-norm statistics over groups of this many processes (0: each process its own)",
+    allreduce="gradient sums: flat (DDP's) or hierarchical (within groups, then across them)",
+    allreduce_group_size="hierarchical: processes per group (0: the processes on a node)",
+)
+
+
 def parse_args(argv):
     # --help lists each option with its value in the chosen preset (the default one unless --preset names another)
     chosen = argparse.ArgumentParser(add_help=False)
@@ -1209,7 +1283,7 @@ def parse_args(argv):
     for k in keys:
         example = next(cfg[k] for cfg in [COMMON, *PRESETS.values()] if k in cfg)
         flag = "--" + k.replace("_", "-")
-        shown = f"{preset}: {as_flag_value(values[k])}".replace("%", "%%")  # argparse formats help with %
+        shown = f"{preset}: {as_flag_value(values[k])}\n{OPTION_HELP[k]}".replace("%", "%%")  # argparse formats %
         if isinstance(example, bool):
             kind = dict(type=str2bool, metavar="BOOL")
         elif isinstance(example, (tuple, list)):

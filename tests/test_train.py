@@ -89,6 +89,16 @@ def test_help_shows_the_chosen_presets_values(preset):
     assert shown("train-sizes") == (" ".join(map(str, cfg["train_sizes"])) or "(none)")
 
 
+def test_every_option_says_what_it_means():
+    """Each config key has a line in OPTION_HELP, shown under its flag and the preset's value; none is stale."""
+    keys = set(train_cifar.COMMON) | {k for cfg in train_cifar.PRESETS.values() for k in cfg}
+    assert set(train_cifar.OPTION_HELP) == keys
+    help_text = train_cifar.parse_args([])[0].format_help()
+    for key, meaning in train_cifar.OPTION_HELP.items():
+        flag = "--" + key.replace("_", "-")
+        assert re.search(rf"{flag}\b[^\n]*\n?\s+fast94: [^\n]*\n\s+{re.escape(meaning)}\n", help_text), flag
+
+
 def test_missing_data_exits_2_and_names_the_path(tmp_path):
     missing = str(tmp_path / "nope.npz")
     r = cli("--data", missing, "--log-dir", "")
