@@ -135,8 +135,8 @@ def plot(summaries, out, x="epoch", references=()):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("logs", nargs="+", help="JSON summaries written by train_cifar.py")
-    p.add_argument("--x", choices=["epoch", "time"], default="epoch")
-    p.add_argument("--out", default="runs.png")
+    p.add_argument("--x", choices=["epoch", "time"], default="epoch", help="x axis: epochs or seconds (default: epoch)")
+    p.add_argument("--out", default="runs.png", help="the PNG to write (default: runs.png)")
     p.add_argument("--reference", action="append", default=[], metavar="TSV",
                    help="a published per-epoch curve to draw and compare with (logs/reference/*.tsv); repeatable")
     a = p.parse_args(argv)

@@ -704,14 +704,15 @@ def parse_args(argv):
     r = sub.add_parser("run", help="run (or resume) a study")
     r.add_argument("--workload", default="cpu", choices=list(WORKLOADS),
                    help="; ".join(f"{k}: {w['about']}" for k, w in WORKLOADS.items()).replace("%", "%%"))
-    r.add_argument("--optimizer", default="nesterov", choices=list(OPTIMIZERS))
+    r.add_argument("--optimizer", default="nesterov", choices=list(OPTIMIZERS),
+                   help="; ".join(f"{k}: {o.about}" for k, o in OPTIMIZERS.items()))
     r.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="default: the workload's")
     r.add_argument("--trials", type=int, default=8, help="trials per batch size")
     r.add_argument("--data", default=None, help="CIFAR-10 .npz, tarball or folder (default: $CIFAR10_DATA or ./data)")
     r.add_argument("--eval", choices=["holdout", "test"], default=None,
                    help="judge the target on held-out training images or the test set (default: the workload's)")
     r.add_argument("--holdout", type=int, default=None, help="held-out images for --eval holdout (default 5000)")
-    r.add_argument("--target", type=float, default=None)
+    r.add_argument("--target", type=float, default=None, help="accuracy to reach (default: the workload's)")
     r.add_argument("--epochs", type=float, default=None, help="step budget in epochs (default: the workload's)")
     r.add_argument("--min-steps", type=int, default=None, help="the budget is never below this many steps")
     r.add_argument("--evals-per-trial", type=int, default=None, help="evaluations over a full budget")
@@ -723,7 +724,7 @@ def parse_args(argv):
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any other train_cifar option, e.g. --set precision=fp32 --set 'widths=(8,16,16)'")
     r.add_argument("--train-subset", type=int, default=0, metavar="N", help="train on a fixed random N images (smoke tests)")
-    r.add_argument("--device", default=None)
+    r.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     r.add_argument("--out", default=None, help="output folder (default logs/batch-size-<workload>-<optimizer>)")
     r.add_argument("--shard", default=None, metavar="K/N",
                    help="run every N-th trial of the plan, from the K-th (0-based), into trials-shardKofN.jsonl of "
@@ -734,7 +735,7 @@ def parse_args(argv):
     r.add_argument("--dry-run", action="store_true", help="print the planned trials and exit")
     r.add_argument("--verbose", action="store_true", help="print every trial's training log")
     q = sub.add_parser("plot", help="summaries and plots of one or several output folders (one curve each)")
-    q.add_argument("dirs", nargs="+")
+    q.add_argument("dirs", nargs="+", help="output folders of `run`")
     q.add_argument("--out", default=None, help="where the PNGs go (default: the folder, or logs/batch-size-plots)")
     args = p.parse_args(argv)
     if args.command == "run":

@@ -323,23 +323,24 @@ def parse_args(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="cpu", choices=list(WORKLOADS),
                    help="; ".join(f"{k}: {w['about']}" for k, w in WORKLOADS.items()).replace("%", "%%"))
-    p.add_argument("--pipeline", default="device", choices=["device", "loader"])
+    p.add_argument("--pipeline", default="device", choices=["device", "loader"],
+                   help="device: batched augmentation on the device; loader: per-image DataLoader workers")
     p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES),
-                   choices=[m for m in pipeline.ECHO_MODES if m != "none"])
+                   choices=[m for m in pipeline.ECHO_MODES if m != "none"], help="echo modes to study")
     p.add_argument("--factors", nargs="+", type=float, default=[1, 2, 4], help="echo factors (1: the baseline)")
     p.add_argument("--seeds", type=int, default=3, help="number of seeds, from --seed0")
-    p.add_argument("--seed0", type=int, default=0)
+    p.add_argument("--seed0", type=int, default=0, help="the first seed")
     p.add_argument("--target", type=float, default=None, help="override the workload's target accuracy")
     p.add_argument("--budget", default="steps", choices=["steps", "fresh"],
                    help="steps: every run has the workload's step budget; fresh: e times the steps for factor e")
-    p.add_argument("--echo-shuffle-buffer", type=int, default=0)
-    p.add_argument("--loader-workers", type=int, default=None)
+    p.add_argument("--echo-shuffle-buffer", type=int, default=0, help="shuffle the echoed items through a buffer of this many (0: none)")
+    p.add_argument("--loader-workers", type=int, default=None, help="pipeline loader: worker processes (default: the workload's)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any other train_cifar option, e.g. --set epochs=2 --set precision=fp32")
     p.add_argument("--data", default=None, help="CIFAR-10 .npz, tarball or folder (default: $CIFAR10_DATA or ./data)")
     p.add_argument("--train-subset", type=int, default=0, metavar="N",
                    help="train on a fixed random N of the training images (smoke tests; 0: all)")
-    p.add_argument("--device", default=None)
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--out", default=None, help="output folder (default logs/echo-<workload>-<pipeline>)")
     p.add_argument("--r-batches", type=int, default=10, help="timed batches for t_upstream and t_downstream")
     p.add_argument("--no-r", action="store_true", help="do not measure R (an R already in OUT/r.json is still used)")

@@ -1267,13 +1267,14 @@ OPTION_HELP = dict(
 def parse_args(argv):
     # --help lists each option with its value in the chosen preset (the default one unless --preset names another)
     chosen = argparse.ArgumentParser(add_help=False)
-    chosen.add_argument("--preset", default=DEFAULT_PRESET)
+    chosen.add_argument("--preset", default=DEFAULT_PRESET, help="only to pick the values --help shows")
     preset = chosen.parse_known_args(argv)[0].preset
     values = dict(COMMON, **PRESETS.get(preset, PRESETS[DEFAULT_PRESET]))  # (an unknown preset fails below)
     p = Parser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter,
                epilog=f"The value after each option is {preset}'s; `--preset NAME --help` shows another "
                       f"preset's.\nPresets: {', '.join(PRESETS)}")
-    p.add_argument("--preset", default=DEFAULT_PRESET, choices=list(PRESETS))
+    p.add_argument("--preset", default=DEFAULT_PRESET, choices=list(PRESETS),
+                   help=f"the recipe (README: Presets); the options below override its values (default: {DEFAULT_PRESET})")
     p.add_argument("--data", default=None, help="CIFAR-10 .npz, tarball or folder (default: $CIFAR10_DATA or ./data)")
     p.add_argument("--log-dir", default="logs", help="where the JSON summary and TSV table go ('' for none)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")

@@ -37,13 +37,15 @@ def allocators():
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--presets", nargs="+", default=["fast94-sgd"])  # the recipe of its logged numbers
+    p.add_argument("--presets", nargs="+", default=["fast94-sgd"],  # the recipe of its logged numbers
+                   help="presets to time (default: fast94-sgd)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to bench_presets.py")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5, help="training steps per timed repeat")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per allocator (mean ± std)")
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for every run (default: torch's)")
     p.add_argument("--allocators", nargs="+", default=None, help="default: every one found")
-    p.add_argument("--out", default=os.path.join(ROOT, "logs", "bench_allocator.jsonl"))
+    p.add_argument("--out", default=os.path.join(ROOT, "logs", "bench_allocator.jsonl"),
+                   help="JSONL file the results are appended to")
     a = p.parse_args()
     if min(a.steps, a.repeats) < 1 or (a.threads is not None and a.threads < 1):
         p.error("--steps, --repeats and --threads must be at least 1")

@@ -31,12 +31,13 @@ def rate(fn, n_images, repeats, sync):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--data", default=os.environ.get("CIFAR10_DATA") or "./data")
-    p.add_argument("--batch", type=int, default=512)
+    p.add_argument("--data", default=os.environ.get("CIFAR10_DATA") or "./data",
+                   help="CIFAR-10 .npz, tarball or folder (default: $CIFAR10_DATA or ./data)")
+    p.add_argument("--batch", type=int, default=512, help="images per batch")
     p.add_argument("--batches", type=int, default=8, help="batches per timed repeat (batched version)")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--device", default=None)
-    p.add_argument("--log-dir", default="logs")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats (mean ± std)")
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
+    p.add_argument("--log-dir", default="logs", help="where the JSON result goes")
     a = p.parse_args()
     if min(a.batch, a.batches, a.repeats) < 1:
         p.error("--batch, --batches and --repeats must be at least 1")

@@ -80,12 +80,13 @@ def measure_conv(module, in_shape, need_dgrad, batch_size, dtype, device, repeat
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default=train_cifar.DEFAULT_PRESET, choices=list(train_cifar.PRESETS))
+    p.add_argument("--preset", default=train_cifar.DEFAULT_PRESET, choices=list(train_cifar.PRESETS),
+                   help="whose convs to time (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=0, help="default: the preset's")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per kernel (mean ± std)")
     p.add_argument("--image-size", type=int, default=32, help="input side (24: fast94's progressively resized epochs)")
-    p.add_argument("--device", default=None)
-    p.add_argument("--log-dir", default="logs")
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
+    p.add_argument("--log-dir", default="logs", help="where the JSON result goes")
     a = p.parse_args()
     if a.repeats < 1 or a.batch_size < 0 or not train_cifar.MIN_TRAIN_SIZE <= a.image_size <= train_cifar.IMAGE_SIZE:
         p.error(f"--repeats must be >= 1, --batch-size >= 0 and --image-size in "

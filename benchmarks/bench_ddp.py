@@ -27,10 +27,11 @@ N_TRAIN = 50000
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default=train_cifar.DEFAULT_PRESET, choices=list(train_cifar.PRESETS))
+    p.add_argument("--preset", default=train_cifar.DEFAULT_PRESET, choices=list(train_cifar.PRESETS),
+                   help="whose training step to time (default: %(default)s)")
     p.add_argument("--steps", type=int, default=10, help="training steps per timed repeat")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats (mean ± std)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="preset overrides")
     p.add_argument("--out", default="logs/bench_ddp.jsonl", help="JSONL file rank 0 appends to ('' for none)")
     a = p.parse_args()

@@ -160,12 +160,13 @@ def matmul_peak(device, precision, size=None, repeats=5):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--presets", nargs="+", default=list(train_cifar.PRESETS), choices=list(train_cifar.PRESETS))
+    p.add_argument("--presets", nargs="+", default=list(train_cifar.PRESETS), choices=list(train_cifar.PRESETS),
+                   help="presets to measure (default: all)")
     p.add_argument("--steps", type=int, default=5, help="training steps per timed repeat")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per preset (mean ± std)")
     p.add_argument("--compile", action="store_true", help="time the torch.compile'd step (compiled in the warm-up)")
-    p.add_argument("--device", default=None)
-    p.add_argument("--log-dir", default="logs")
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
+    p.add_argument("--log-dir", default="logs", help="where the JSON result goes")
     p.add_argument("--flops-only", action="store_true",
                    help="only count each preset's FLOPs (on the meta device, instant) and time nothing")
     p.add_argument("--breakdown", action="store_true",

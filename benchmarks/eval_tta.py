@@ -93,13 +93,14 @@ def modes(confidences):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("checkpoints", nargs="+")
+    p.add_argument("checkpoints", nargs="+", help="checkpoints of finished runs (train_cifar.py --checkpoint)")
     p.add_argument("--data", default=None, help="CIFAR-10 (default: $CIFAR10_DATA or ./data)")
-    p.add_argument("--confidences", type=float, nargs="+", default=[0.5, 0.7, 0.9])
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--confidences", type=float, nargs="+", default=[0.5, 0.7, 0.9],
+                   help="--tta-confidence values to measure (extra views only below this probability)")
+    p.add_argument("--repeats", type=int, default=3, help="timed evaluations per mode (mean ± std)")
     p.add_argument("--view-sets", action="store_true", help="also compare the sets of views in VIEW_SETS")
-    p.add_argument("--device", default=None)
-    p.add_argument("--log-dir", default="logs")
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
+    p.add_argument("--log-dir", default="logs", help="where the JSON result goes")
     a = p.parse_args()
     if not all(0 < c <= 1 for c in a.confidences) or a.repeats < 1:
         p.error("confidences must be in (0, 1] and --repeats at least 1")

@@ -1,5 +1,6 @@
 """The README's records table against the logs it links, and every link in the docs against the repository: a
-number typed by hand or a log renamed fails here."""
+number typed by hand or a log renamed fails here. And every command-line option documented in --help."""
+import ast
 import json
 import os
 import re
@@ -97,3 +98,19 @@ def test_records_row_matches_its_logs(preset, cells):
         return {v for v in ("Intel", "AMD", "NVIDIA", "Apple") if v in text}
     logged = set().union(*(vendors(log["hardware"]) for log in logs))
     assert vendors(hardware_cell) == logged, f"{preset}: the logs ran on {sorted(logged)}, the row names {hardware_cell}"
+
+
+CLI_SCRIPTS = ["train_cifar.py", "compare_runs.py", "plot_runs.py", "study_batch_size.py", "study_data_echo.py",
+               *[os.path.join("benchmarks", f) for f in sorted(os.listdir(os.path.join(ROOT, "benchmarks")))
+                 if f.endswith(".py")]]
+
+
+@pytest.mark.parametrize("script", CLI_SCRIPTS)
+def test_every_command_line_option_says_what_it_is(script):
+    """Every add_argument of every script has a help text (train_cifar's generated options: test_train.py)."""
+    tree = ast.parse(open(os.path.join(ROOT, script)).read())
+    calls = [node for node in ast.walk(tree)
+             if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument"]
+    assert calls
+    silent = [ast.unparse(c)[:80] for c in calls if not any(k.arg == "help" for k in c.keywords)]
+    assert not silent, silent
