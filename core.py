@@ -228,6 +228,30 @@ def read_run_log(path):
     return log
 
 
+def reproduction_report(runs, logged_runs):
+    """Each run against the logged run of the same seed, epoch by epoch (as train_cifar.py --from-log prints it).
+    Per run: seed; epochs, how many both trained; first_difference, the first of those whose training loss or
+    test accuracy differs at all (None: identical, bit for bit); max_loss_difference over them; accuracy and
+    logged_accuracy, the final ones where both runs trained the same epochs (else logged_accuracy is None).
+    A seed the log lacks gets epochs 0."""
+    def same(a, b):
+        return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+    logged = {r["seed"]: r for r in logged_runs if r.get("epochs")}
+    report = []
+    for run in runs:
+        rows, ref = run.get("epochs") or [], logged.get(run["seed"])
+        ref_rows = {row["epoch"]: row for row in ref["epochs"]} if ref else {}
+        pairs = [(row, ref_rows[row["epoch"]]) for row in rows if row["epoch"] in ref_rows]
+        differing = [a["epoch"] for a, b in pairs
+                     if not (same(a["train_loss"], b["train_loss"]) and same(a["test_acc"], b["test_acc"]))]
+        full = bool(pairs) and rows[-1]["epoch"] == ref["epochs"][-1]["epoch"]
+        report.append(dict(
+            seed=run["seed"], epochs=len(pairs), first_difference=differing[0] if differing else None,
+            max_loss_difference=max((abs(a["train_loss"] - b["train_loss"]) for a, b in pairs), default=None),
+            accuracy=run.get("accuracy"), logged_accuracy=ref.get("accuracy") if full else None))
+    return report
+
+
 def differing_keys(dicts, ignore=()):
     """The keys, present in every dict and not ignored, whose values differ between them; numbers compare as
     numbers (10 and 10.0 are one setting) and tuples as lists (as they come back from JSON)."""

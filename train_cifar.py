@@ -1166,6 +1166,51 @@ def print_summary(s, log=print):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Rerunning a logged run (--from-log): its whole recipe from the log, and the result set beside the logged one.
+
+def config_from_log(path):
+    """(preset, options, log, predated): the options that rerun the runs a train_cifar.py log records, its
+    seeds included. A log older than some of today's options gets COMMON's defaults for them (the behaviour
+    they were added with) and names them in predated; one with an option today's code lacks cannot be rerun
+    here (ValueError naming its commit)."""
+    log = core.read_run_log(path)
+    logged = dict(log.get("config") or {})
+    preset = logged.pop("preset", log["preset"])
+    if preset not in PRESETS or not logged:
+        raise ValueError(f"{path}: cannot rerun a log of preset {preset!r} without its config")
+    options = set(COMMON) | set(PRESETS[preset])
+    gone = sorted(set(logged) - options)
+    if gone:
+        raise ValueError(f"{path} sets {', '.join(gone)}, which this code no longer has; to rerun it, check out "
+                         f"its commit {str(log.get('commit'))[:12]}")
+    predated = sorted(options - set(logged))
+    logged.update({k: COMMON[k] for k in predated if k in COMMON})
+    missing = [k for k in predated if k not in COMMON]
+    if missing:
+        raise ValueError(f"{path} lacks {', '.join(missing)}: not a complete config")
+    return preset, {k: tuple(v) if isinstance(v, list) else v for k, v in logged.items()}, log, predated
+
+
+def describe_reproduction(report, log_path):
+    """One line per run of core.reproduction_report."""
+    lines = []
+    for r in report:
+        if not r["epochs"]:
+            lines.append(f"seed {r['seed']}: {log_path} has no run of this seed to compare with")
+            continue
+        if r["first_difference"] is None:
+            what = f"identical to the log over {r['epochs']} epoch(s), training loss and test accuracy bit for bit"
+        else:
+            what = (f"differs from the log from epoch {r['first_difference']} on (training loss by up to "
+                    f"{r['max_loss_difference']:.2g} over {r['epochs']} epoch(s))")
+        if r["logged_accuracy"] is not None and r["accuracy"] is not None:
+            what += (f"; accuracy {100 * r['accuracy']:.2f}% against {100 * r['logged_accuracy']:.2f}% logged "
+                     f"({100 * (r['accuracy'] - r['logged_accuracy']):+.2f} points)")
+        lines.append(f"seed {r['seed']}: {what}")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Command line: every hyper-parameter of the chosen preset can be overridden.
 
 def str2bool(s):
@@ -1273,8 +1318,11 @@ def parse_args(argv):
     p = Parser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter,
                epilog=f"The value after each option is {preset}'s; `--preset NAME --help` shows another "
                       f"preset's.\nPresets: {', '.join(PRESETS)}")
-    p.add_argument("--preset", default=DEFAULT_PRESET, choices=list(PRESETS),
+    p.add_argument("--preset", default=None, choices=list(PRESETS),
                    help=f"the recipe (README: Presets); the options below override its values (default: {DEFAULT_PRESET})")
+    p.add_argument("--from-log", default=None, metavar="LOG.json",
+                   help="rerun the runs a log records (its preset, options and seeds; the options below override them)\n"
+                        "and compare each with the logged run of its seed, epoch by epoch")
     p.add_argument("--data", default=None, help="CIFAR-10 .npz, tarball or folder (default: $CIFAR10_DATA or ./data)")
     p.add_argument("--log-dir", default="logs", help="where the JSON summary and TSV table go ('' for none)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
@@ -1300,12 +1348,31 @@ def parse_args(argv):
 def main(argv=None):
     parser, args = parse_args(argv)
     overrides = {k: v for k, v in vars(args).items()
-                 if k not in ("preset", "log_dir", "device", "checkpoint") and v is not None}
+                 if k not in ("preset", "log_dir", "device", "checkpoint", "from_log") and v is not None}
     for k in ("lr_knots", "lr_values", "widths", "train_sizes"):
         if k in overrides:
             overrides[k] = tuple(overrides[k])
+    preset, logged = args.preset or DEFAULT_PRESET, None
+    report = print if int(os.environ.get("RANK", 0)) == 0 else (lambda *a: None)
     try:
-        summary = train(args.preset, data_path=overrides.pop("data", None), device=args.device,
+        if args.from_log:
+            if args.preset:
+                raise ValueError("--from-log takes the preset its log names; leave --preset out")
+            preset, options, logged, predated = config_from_log(args.from_log)
+            overrides = dict(options, **overrides)
+            seeds = f"{overrides['seed']}" + (f"-{overrides['seed'] + overrides['runs'] - 1}" if overrides["runs"] > 1 else "")
+            report(f"rerunning {args.from_log}: preset {preset}, seed(s) {seeds}; logged on {logged.get('hardware')}, "
+                   f"torch {logged.get('torch')}, commit {str(logged.get('commit'))[:12]} (this code: "
+                   f"{str(core.git_commit())[:12]})")
+            changed = core.differing_keys([options, overrides])
+            if changed:
+                report("changed from the log: " + ", ".join(
+                    f"--{k.replace('_', '-')} {as_flag_value(overrides[k])} (logged {as_flag_value(options[k])})"
+                    for k in changed))
+            if predated:
+                report(f"the log predates {', '.join('--' + k.replace('_', '-') for k in predated)}: they take their "
+                       "defaults, so the rerun may differ")
+        summary = train(preset, data_path=overrides.pop("data", None), device=args.device,
                         log_dir=args.log_dir or None, checkpoint=args.checkpoint, **overrides)
         if torch.distributed.is_initialized():
             # A rank that tears its connections down while another still reads them can make gloo abort that
@@ -1321,6 +1388,14 @@ def main(argv=None):
             torch.distributed.destroy_process_group()
     if int(os.environ.get("RANK", 0)) == 0:  # torchrun sets RANK; only rank 0 reports
         print_summary(summary)
+        if logged:
+            summary["reproduces"] = dict(log=args.from_log, runs=core.reproduction_report(summary["runs"],
+                                                                                          logged["runs"]))
+            print(f"\nagainst {args.from_log}:")
+            for line in describe_reproduction(summary["reproduces"]["runs"], args.from_log):
+                print("  " + line)
+            if summary.get("log_json"):  # the comparison goes into the new log too
+                core.write_json_atomic(summary["log_json"], {k: v for k, v in summary.items() if k != "log_json"})
     return summary
 
 
