@@ -1319,10 +1319,10 @@ def parse_args(argv):
                epilog=f"The value after each option is {preset}'s; `--preset NAME --help` shows another "
                       f"preset's.\nPresets: {', '.join(PRESETS)}")
     p.add_argument("--preset", default=None, choices=list(PRESETS),
-                   help=f"the recipe (README: Presets); the options below override its values (default: {DEFAULT_PRESET})")
+                   help=f"the recipe (README: Presets), default {DEFAULT_PRESET}; the options below override its values")
     p.add_argument("--from-log", default=None, metavar="LOG.json",
-                   help="rerun the runs a log records (its preset, options and seeds; the options below override them)\n"
-                        "and compare each with the logged run of its seed, epoch by epoch")
+                   help="rerun the runs a log records (its preset, options and seeds; the options below override\n"
+                        "them) and compare each with the logged run of its seed, epoch by epoch")
     p.add_argument("--data", default=None, help="CIFAR-10 .npz, tarball or folder (default: $CIFAR10_DATA or ./data)")
     p.add_argument("--log-dir", default="logs", help="where the JSON summary and TSV table go ('' for none)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
@@ -1347,6 +1347,8 @@ def parse_args(argv):
 
 def main(argv=None):
     parser, args = parse_args(argv)
+    if hasattr(sys.stdout, "reconfigure"):  # each row as it comes, also into a file (nohup ... > run.log)
+        sys.stdout.reconfigure(line_buffering=True)
     overrides = {k: v for k, v in vars(args).items()
                  if k not in ("preset", "log_dir", "device", "checkpoint", "from_log") and v is not None}
     for k in ("lr_knots", "lr_values", "widths", "train_sizes"):
@@ -1360,7 +1362,8 @@ def main(argv=None):
                 raise ValueError("--from-log takes the preset its log names; leave --preset out")
             preset, options, logged, predated = config_from_log(args.from_log)
             overrides = dict(options, **overrides)
-            seeds = f"{overrides['seed']}" + (f"-{overrides['seed'] + overrides['runs'] - 1}" if overrides["runs"] > 1 else "")
+            first, last = overrides["seed"], overrides["seed"] + overrides["runs"] - 1
+            seeds = f"{first}-{last}" if last > first else f"{first}"
             report(f"rerunning {args.from_log}: preset {preset}, seed(s) {seeds}; logged on {logged.get('hardware')}, "
                    f"torch {logged.get('torch')}, commit {str(logged.get('commit'))[:12]} (this code: "
                    f"{str(core.git_commit())[:12]})")
@@ -1369,6 +1372,9 @@ def main(argv=None):
                 report("changed from the log: " + ", ".join(
                     f"--{k.replace('_', '-')} {as_flag_value(overrides[k])} (logged {as_flag_value(options[k])})"
                     for k in changed))
+            world = int(os.environ.get("WORLD_SIZE", 1))
+            if logged.get("world_size", 1) != world:
+                report(f"the log ran {logged.get('world_size', 1)} processes, this {world}: the runs may differ")
             if predated:
                 report(f"the log predates {', '.join('--' + k.replace('_', '-') for k in predated)}: they take their "
                        "defaults, so the rerun may differ")

@@ -224,3 +224,21 @@ def test_stamped_log_path_names_the_file_by_the_timestamp_and_makes_the_folder(t
     where = tmp_path / "new" / "logs"
     path = core.stamped_log_path(str(where), "bench_convs-fast94", "2026-12-01T14:51:25+00:00")
     assert path == str(where / "bench_convs-fast94-2026-12-01T145125.json") and where.is_dir()
+
+
+def test_reproduction_report_finds_the_first_differing_epoch():
+    def run(seed, losses, accs, accuracy):
+        return dict(seed=seed, accuracy=accuracy, epochs=[dict(epoch=e + 1, train_loss=l, test_acc=a)
+                                                          for e, (l, a) in enumerate(zip(losses, accs))])
+    nan = float("nan")
+    logged = [run(0, [2.0, 1.5, 1.2], [nan, 0.5, 0.7], 0.7), run(1, [2.1, 1.6, 1.3], [0.3, 0.5, 0.72], 0.72)]
+    same, later, short, other = core.reproduction_report([
+        run(0, [2.0, 1.5, 1.2], [nan, 0.5, 0.7], 0.7),       # identical, NaN (not evaluated) included
+        run(1, [2.1, 1.6, 1.25], [0.3, 0.5, 0.72], 0.72),    # its last epoch's loss differs
+        run(1, [2.1, 1.6], [0.3, 0.51], 0.51),               # stopped early; epoch 2's accuracy differs
+        run(7, [2.0], [0.1], 0.1)], logged)                  # no logged run of seed 7
+    assert same == dict(seed=0, epochs=3, first_difference=None, max_loss_difference=0.0, accuracy=0.7,
+                        logged_accuracy=0.7)
+    assert later["first_difference"] == 3 and later["max_loss_difference"] == pytest.approx(0.05)
+    assert short["epochs"] == 2 and short["first_difference"] == 2 and short["logged_accuracy"] is None
+    assert other["epochs"] == 0 and other["first_difference"] is None

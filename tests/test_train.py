@@ -620,3 +620,76 @@ def test_fp16s_fixed_loss_scale_never_reads_a_tensor_on_the_host(host_reads, los
         counts.append(sum(host_reads.values()))
     assert (counts[1] > counts[0]) == reads_each_step, counts
     assert not train_cifar.make_loss_scaler(cfg, "bf16", torch.device("cpu")).is_enabled()
+
+
+def test_from_log_reruns_a_logged_run_bit_for_bit_and_says_so(tiny_npz, tmp_path, capsys):
+    """--from-log takes the log's whole recipe and seeds, not the preset's values: a tiny fastnet with its own
+    schedule comes back identical epoch by epoch; an option changed on the command line shows where it diverges."""
+    first = train_cifar.main(["--data", tiny_npz, "--log-dir", str(tmp_path / "a"), "--widths", "8", "16", "16",
+                              "--batch-size", "50", "--epochs", "2", "--lr-values", "1.0", "0.0", "--precision",
+                              "fp32", "--seed", "5", "--runs", "2", "--train-sizes", "16", "32"])
+    again = train_cifar.main(["--from-log", first["log_json"], "--data", tiny_npz, "--log-dir", str(tmp_path / "b")])
+    assert {k: v for k, v in again["config"].items()} == first["config"]
+    report = again["reproduces"]["runs"]
+    assert [r["seed"] for r in report] == [5, 6]
+    assert all(r["epochs"] == 2 and r["first_difference"] is None and r["max_loss_difference"] == 0 for r in report)
+    assert [r["logged_accuracy"] for r in report] == [r["accuracy"] for r in first["runs"]]
+    assert json.loads(open(again["log_json"]).read())["reproduces"]["runs"] == report
+    out = capsys.readouterr().out
+    assert out.count("identical to the log over 2 epoch(s)") == 2
+
+    changed = train_cifar.main(["--from-log", first["log_json"], "--data", tiny_npz, "--log-dir", "",
+                                "--runs", "1", "--lr-values", "0.5", "0.0"])
+    assert changed["config"]["lr_values"] == [0.5, 0.0] and changed["config"]["widths"] == [8, 16, 16]
+    assert changed["reproduces"]["runs"][0]["first_difference"] == 1
+    out = capsys.readouterr().out
+    assert "--lr-values 0.5 0.0 (logged 1.0 0.0)" in out and "differs from the log from epoch 1" in out
+
+
+def test_from_log_names_what_a_log_predates_and_refuses_what_is_gone(tiny_npz, tmp_path, capsys):
+    s = train_cifar.main(["--data", tiny_npz, "--log-dir", str(tmp_path), "--widths", "8", "16", "16",
+                          "--batch-size", "50", "--epochs", "1", "--precision", "fp32"])
+    log = json.loads(open(s["log_json"]).read())
+    del log["config"]["tta_confidence"]  # a log from before the option: it takes COMMON's value (the old behaviour)
+    log["world_size"] = 2
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(log))
+    preset, options, _, predated = train_cifar.config_from_log(str(old))
+    assert preset == "fast94" and predated == ["tta_confidence"]
+    common, fast94 = train_cifar.COMMON["tta_confidence"], train_cifar.PRESETS["fast94"]["tta_confidence"]
+    assert options["tta_confidence"] == common != fast94
+    capsys.readouterr()
+    rerun = train_cifar.main(["--from-log", str(old), "--data", tiny_npz, "--log-dir", ""])
+    out = capsys.readouterr().out
+    assert "the log predates --tta-confidence" in out and "the log ran 2 processes, this 1" in out
+    assert rerun["config"]["tta_confidence"] == train_cifar.COMMON["tta_confidence"]
+    log["config"]["muon_fixed_norm"] = True  # an option since removed
+    old.write_text(json.dumps(log))
+    r = cli("--from-log", str(old), "--data", tiny_npz, "--log-dir", "")
+    assert r.returncode == 2 and "muon_fixed_norm, which this code no longer has" in r.stderr
+    assert r.stderr.strip().count("\n") == 0
+    for args, message in [(["--from-log", str(tmp_path / "none.json")], "cannot read"),
+                          (["--from-log", s["log_json"], "--preset", "fast95"], "leave --preset out")]:
+        r = cli(*args, "--data", tiny_npz, "--log-dir", "")
+        assert r.returncode == 2 and message in r.stderr and r.stderr.strip().count("\n") == 0
+
+
+def test_rows_reach_a_redirected_stdout_as_they_come(tiny_npz, tmp_path):
+    """Python block-buffers stdout into a pipe or file: without line buffering the table would arrive in 8 KB
+    lumps (a `nohup ... > run.log` run showing nothing for an hour). When the row of epoch 1 arrives here, the
+    TSV (flushed every epoch) must not be many epochs ahead of it."""
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_cifar.py"), "--data", tiny_npz, "--log-dir",
+                          str(tmp_path), "--widths", "8", "8", "8", "--batch-size", "50", "--epochs", "500",
+                          "--precision", "fp32"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"})
+    try:
+        for line in p.stdout:
+            if re.match(r"\s+0\s+1\s", line):  # run 0, epoch 1
+                rows = len(core.read_tsv(str(next(tmp_path.glob("*.tsv")))))
+                assert rows < 20, f"epoch 1's row came when the TSV had {rows} epochs"
+                break
+        else:
+            pytest.fail("no row for epoch 1")
+    finally:
+        p.kill()
+        p.wait()
