@@ -12,7 +12,8 @@
 # below) and leaves the compiled kernels in /tmp/inductor for the real runs (the device machine keeps /tmp while it
 # stays warm, but gets a fresh copy of the repo, ignored files gone, at every call: carry the data set's parts one
 # per call and copy each to /tmp). Run counts: N94, N95, N96, NTRICKS (default 20, 5, 5, 5; 0 skips one; N94_GRAPHS
-# runs fast94 under CUDA graphs too, N96_FP16 fast96 in fp16); SMOKE: the smoke's preset[:mode] list;
+# runs fast94 under CUDA graphs too, N96_FP16 fast96 in fp16, REPRO reruns that many logged fast94 seeds
+# with --from-log); SMOKE: the smoke's preset[:mode] list;
 # COMPILE_MODE: torch.compile's mode (train_cifar's --compile-mode); EXTRAS=1 adds the GPU runs of the closed
 # issues' presets if time is left.
 # GIT_COMMIT names the commit in the logs where the tree has no .git. Then: tar -xzf gpu-logs.tar.gz -C logs/
@@ -82,6 +83,10 @@ preset() {  # preset NAME RUNS SECONDS ARGS...: a step of RUNS runs of a record 
 preset fast94 "${N94:-20}" 300 --compile true "${MODE[@]}"
 # 1b. fast94 with CUDA graphs (torch.compile's reduce-overhead), when N94_GRAPHS asks for it.
 preset fast94 "${N94_GRAPHS:-0}" 300 --compile true --compile-mode reduce-overhead
+# 1c. Does a GPU rerun the same bits? fast94's first REPRO seeds rerun from the H200's committed log (--from-log
+# compares epoch by epoch), when REPRO asks.
+[ "${REPRO:-0}" = 0 ] || step reproduce-fast94 200 python train_cifar.py \
+    --from-log logs/fast94-20261204-163352-1899.json --data "$DATA" --device cuda --runs "$REPRO" --log-dir "$LOGS"
 # 2. fast95 and fast96 (#3): n = 5 each.
 preset fast95 "${N95:-5}" 200 --compile true "${MODE[@]}"
 preset fast96 "${N96:-5}" 300 --compile true "${MODE[@]}"
