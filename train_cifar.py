@@ -1196,7 +1196,7 @@ def describe_reproduction(report, log_path):
     lines = []
     for r in report:
         if not r["epochs"]:
-            lines.append(f"seed {r['seed']}: {log_path} has no run of this seed to compare with")
+            lines.append(f"seed {r['seed']}: {log_path} holds no epochs of this seed to compare with")
             continue
         if r["first_difference"] is None:
             what = f"identical to the log over {r['epochs']} epoch(s), training loss and test accuracy bit for bit"
