@@ -4,6 +4,12 @@ per run, with the target and each log's preset and seed in the legend.
     python plot_runs.py logs/fast94-2026*.json                      # -> runs.png
     python plot_runs.py logs/fast94-*.json --x time --out fast94.png
     python plot_runs.py logs/resnet9-*.json --reference logs/reference/myrtle-resnet9-v100.tsv
+    python plot_runs.py logs/fast9*.json --x flops --out records.png   # accuracy against FLOPs, per recipe
+
+With --x flops, one point per recipe instead of curves: the logs are pooled by what they trained (as
+compare_runs.py pools them: seeds, hardware and compilation aside), each recipe drawn at its training FLOPs per
+run with its mean final accuracy ± std over the finished runs, beside the published records; a table of the
+points is printed.
 
 With --reference (a published per-epoch curve, see logs/reference/), it also prints each run's test accuracy
 beside the reference's, epoch by epoch. Reads the JSON summaries train_cifar.py writes (several logs of one preset, e.g. seeds run by separate
@@ -14,10 +20,16 @@ import math
 import os
 import sys
 
+import compare_runs
 import core
 
 
 LogError = core.LogError
+
+# Published records as their authors report them (README: History): label, mean accuracy (%), training PF a run
+PUBLISHED_RECORDS = [("Myrtle ResNet-9, bag of tricks", 94.1, 1.1), ("hlb-CIFAR10", 94.0, 0.59),
+                     ("airbench94", 94.01, 0.36), ("airbench94 with Muon", 94.01, 0.29),
+                     ("airbench95", 95.01, 1.4), ("airbench96 (faster)", 96.00, 3.1)]
 
 
 def load_reference(path):
@@ -56,12 +68,14 @@ def config_differences(summaries):
     an older log lacks are not compared), as "key=value" strings: what tells their curves apart."""
     configs = [s.get("config", {}) for s in summaries]
     differ = core.differing_keys(configs, ignore=RUN_KEYS)
+    return [", ".join(f"{k}={show_value(c[k])}" for k in differ) for c in configs]
 
-    def show(v):
-        if isinstance(v, (list, tuple)):
-            return "[" + ", ".join(show(u) for u in v) + "]"
-        return f"{v:g}" if isinstance(v, float) else json.dumps(v)
-    return [", ".join(f"{k}={show(c[k])}" for k in differ) for c in configs]
+
+def show_value(v):
+    """A config value as labels show it: floats short, lists in brackets, strings quoted."""
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(show_value(u) for u in v) + "]"
+    return f"{v:g}" if isinstance(v, float) else json.dumps(v)
 
 
 def curves(summary, x="epoch", tag=""):
@@ -81,6 +95,74 @@ def curves(summary, x="epoch", tag=""):
             label += f": {100 * run['accuracy']:.2f}%"
         out.append((label, xs, acc, [r["train_loss"] for r in rows]))
     return out
+
+
+def flops_per_run(summary):
+    return summary.get("train_flops_per_run") or summary.get("train_flops_per_step", 0) * summary.get("train_steps", 0)
+
+
+def recipe_points(summaries):
+    """One point per recipe the logs trained, in the order first seen. Logs pool as compare_runs.py pools them
+    (compare_runs.recipe: seeds, hardware and compilation aside; an option an older log lacks is not compared).
+    Each point: preset, tag (its settings of the options on which recipes of its preset differ), n finished
+    runs, accuracy mean and std (%), PF per run, hardware. Recipes without a finished run are left out."""
+    groups = []  # [recipe, [summaries]]
+    for s in summaries:
+        if not isinstance(s.get("config"), dict):
+            raise LogError(f"a log of preset {s.get('preset')} has no config: cannot tell its recipe")
+        r = compare_runs.recipe(s)
+        group = next((g for g in groups if not core.differing_keys([g[0], r])), None)
+        if group:
+            group[1].append(s)
+        else:
+            groups.append([r, [s]])
+    tags = [""] * len(groups)
+    for preset in {r["preset"] for r, _ in groups}:
+        mine = [i for i, (r, _) in enumerate(groups) if r["preset"] == preset]
+        differ = core.differing_keys([groups[i][0] for i in mine], ignore=["preset"])
+        for i in mine:
+            tags[i] = ", ".join(f"{k}={show_value(groups[i][0][k])}" for k in differ)
+    points = []
+    for (r, logs), tag in zip(groups, tags):
+        accs = [100 * run["accuracy"] for s in logs for run in s["runs"] if compare_runs.finished(run)]
+        if not accs:
+            continue
+        mean, std = core.mean_std(accs)
+        points.append(dict(preset=r["preset"], tag=tag, n=len(accs), mean=mean, std=std,
+                           pf=flops_per_run(logs[0]) / 1e15, hardware=sorted({s.get("hardware", "?") for s in logs})))
+    if not points:
+        raise LogError("none of the logs has a finished run")
+    return points
+
+
+def plot_flops(points, out, published=PUBLISHED_RECORDS):
+    """Accuracy against training FLOPs: each recipe's mean ± std (labelled with its n), the published records
+    as open diamonds, and the 94/95/96% targets."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(9, 6))
+    for i, p in enumerate(points):
+        tag = f" [{p['tag']}]" if p["tag"] else ""
+        label = f"{p['preset']}{tag} (n={p['n']})"
+        ax.errorbar(p["pf"], p["mean"], yerr=p["std"], fmt="o", ms=5, capsize=3, color=f"C{i % 10}", label=label)
+    for i, (name, acc, pf) in enumerate(sorted(published, key=lambda r: r[2])):
+        ax.plot(pf, acc, "D", mfc="none", color="0.35", ms=7)
+        ax.annotate(name, (pf, acc), textcoords="offset points", xytext=(6, 6 if i % 2 else -11), fontsize=7,
+                    color="0.35")  # above and below in turn: records at nearby FLOPs would overprint
+    for target in (94, 95, 96):
+        ax.axhline(target, color="k", ls="--", lw=0.8)
+    ax.set_xscale("log")
+    plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
+    ax.xaxis.set_major_formatter(plain)
+    ax.xaxis.set_minor_formatter(plain)
+    ax.set(xlabel="training FLOPs per run (PF, counted)", ylabel="final test accuracy (%), mean ± std over runs",
+           title="recipes of these logs (filled) and published records (open diamonds)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
 
 
 def plot(summaries, out, x="epoch", references=()):
@@ -135,7 +217,8 @@ def plot(summaries, out, x="epoch", references=()):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("logs", nargs="+", help="JSON summaries written by train_cifar.py")
-    p.add_argument("--x", choices=["epoch", "time"], default="epoch", help="x axis: epochs or seconds (default: epoch)")
+    p.add_argument("--x", choices=["epoch", "time", "flops"], default="epoch",
+                   help="x axis: epochs or seconds (curves), or training FLOPs (a point per recipe); default: epoch")
     p.add_argument("--out", default="runs.png", help="the PNG to write (default: runs.png)")
     p.add_argument("--reference", action="append", default=[], metavar="TSV",
                    help="a published per-epoch curve to draw and compare with (logs/reference/*.tsv); repeatable")
@@ -145,10 +228,21 @@ def main(argv=None):
             raise LogError("reference curves are per epoch and from other hardware: plot them with --x epoch")
         summaries = [core.read_run_log(path) for path in a.logs]
         references = [load_reference(path) for path in a.reference]
-        n = plot(summaries, a.out, a.x, references)
+        if a.x == "flops":
+            points = recipe_points(summaries)
+            plot_flops(points, a.out)
+        else:
+            n = plot(summaries, a.out, a.x, references)
     except LogError as e:
         print(f"plot_runs.py: error: {e}", file=sys.stderr)
         return 2
+    if a.x == "flops":
+        for p in points:
+            tag = f" [{p['tag']}]" if p["tag"] else ""
+            print(f"{p['preset']}{tag}: {p['mean']:.2f} ± {p['std']:.2f}% (n={p['n']}) at {p['pf']:.3f} PF; "
+                  + "; ".join(p["hardware"]))
+        print(f"{len(points)} recipes -> {os.path.abspath(a.out)}")
+        return 0
     if references:
         names, rows = comparison(summaries, references)
         table = core.Table(["epoch"] + names, width=max(10, *(len(c) + 1 for c in names)))

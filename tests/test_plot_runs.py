@@ -125,3 +125,41 @@ def test_logs_of_different_configurations_are_told_apart_in_the_labels(logged):
     assert plot_runs.config_differences([summary, other, older]) == ["", "", ""]
     labels = [c[0] for c in plot_runs.curves(other, "epoch", "epochs=4")]
     assert labels[0].startswith("resnet9 [epochs=4] seed 0")
+
+
+def test_recipe_points_pool_logs_by_recipe(logged):
+    """--x flops: one point per recipe; other seeds, other hardware or a log lacking a newer option pool with it,
+    another epoch count does not. Each point's mean ± std is over the pooled finished runs."""
+    summary = core.read_run_log(logged[0])
+    seeds = json.loads(json.dumps(summary))
+    seeds["config"].update(seed=2, runs=1)
+    seeds["hardware"] = "another machine"
+    seeds["runs"] = [dict(summary["runs"][0], seed=2, accuracy=0.5)]
+    older = json.loads(json.dumps(summary))
+    del older["config"]["cutout"]
+    longer = json.loads(json.dumps(summary))
+    longer["config"]["epochs"] = 4
+    longer["train_flops_per_run"] *= 4 / 3
+    first, second = plot_runs.recipe_points([summary, seeds, older, longer])
+    accs = [100 * r["accuracy"] for r in summary["runs"]] + [50.0] + [100 * r["accuracy"] for r in older["runs"]]
+    assert (first["n"], first["mean"], first["std"]) == (5, *core.mean_std(accs))
+    assert first["tag"] == "epochs=3" and second["tag"] == "epochs=4" and second["n"] == 2
+    assert first["pf"] == summary["train_flops_per_run"] / 1e15 and second["pf"] == pytest.approx(first["pf"] * 4 / 3)
+    assert first["hardware"] == sorted({summary["hardware"], "another machine"})
+
+
+def test_flops_plot_writes_a_png_and_prints_each_recipe(logged, tmp_path, capsys):
+    out = tmp_path / "records.png"
+    assert plot_runs.main([logged[0], "--x", "flops", "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = core.read_run_log(logged[0])
+    mean, std = core.mean_std([100 * r["accuracy"] for r in summary["runs"]])
+    pf = summary["train_flops_per_run"] / 1e15
+    assert f"resnet9: {mean:.2f} ± {std:.2f}% (n=2) at {pf:.3f} PF" in capsys.readouterr().out
+    unfinished = json.loads(json.dumps(summary))
+    for run in unfinished["runs"]:
+        run.update(accuracy=None, diverged=True)
+    path = tmp_path / "diverged.json"
+    path.write_text(json.dumps(unfinished))
+    assert plot_runs.main([str(path), "--x", "flops", "--out", str(tmp_path / "x.png")]) == 2
+    assert "none of the logs has a finished run" in capsys.readouterr().err

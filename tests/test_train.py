@@ -680,8 +680,8 @@ def test_rows_reach_a_redirected_stdout_as_they_come(tiny_npz, tmp_path):
     TSV (flushed every epoch) must not be many epochs ahead of it."""
     p = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_cifar.py"), "--data", tiny_npz, "--log-dir",
                           str(tmp_path), "--widths", "8", "8", "8", "--batch-size", "50", "--epochs", "500",
-                          "--precision", "fp32"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                         env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"})
+                          "--precision", "fp32"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                         text=True, env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"})
     try:
         for line in p.stdout:
             if re.match(r"\s+0\s+1\s", line):  # run 0, epoch 1
