@@ -231,8 +231,10 @@ def read_run_log(path):
 def reproduction_report(runs, logged_runs):
     """Each run against the logged run of the same seed, epoch by epoch (as train_cifar.py --from-log prints it).
     Per run: seed; epochs, how many both trained; first_difference, the first of those whose training loss or
-    test accuracy differs at all (None: identical, bit for bit); max_loss_difference over them; accuracy and
-    logged_accuracy, the final ones where both runs trained the same epochs (else logged_accuracy is None).
+    test accuracy differs at all (None: identical, bit for bit); max_loss_difference over them; cut_short, whether
+    it ended before the logged run did; accuracy and logged_accuracy, the final ones where both runs trained the
+    same epochs (else logged_accuracy is None). A test accuracy is compared only where both runs evaluated alike:
+    a run's last epoch gets the final evaluation (TTA, averaged weights), the epochs before it a plain one.
     A seed the log lacks gets epochs 0."""
     def same(a, b):
         return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
@@ -242,13 +244,14 @@ def reproduction_report(runs, logged_runs):
         rows, ref = run.get("epochs") or [], logged.get(run["seed"])
         ref_rows = {row["epoch"]: row for row in ref["epochs"]} if ref else {}
         pairs = [(row, ref_rows[row["epoch"]]) for row in rows if row["epoch"] in ref_rows]
-        differing = [a["epoch"] for a, b in pairs
-                     if not (same(a["train_loss"], b["train_loss"]) and same(a["test_acc"], b["test_acc"]))]
-        full = bool(pairs) and rows[-1]["epoch"] == ref["epochs"][-1]["epoch"]
+        last, ref_last = (rows[-1]["epoch"], ref["epochs"][-1]["epoch"]) if pairs else (None, None)
+        differing = [a["epoch"] for a, b in pairs if not same(a["train_loss"], b["train_loss"])
+                     or ((a["epoch"] == last) == (a["epoch"] == ref_last) and not same(a["test_acc"], b["test_acc"]))]
         report.append(dict(
             seed=run["seed"], epochs=len(pairs), first_difference=differing[0] if differing else None,
             max_loss_difference=max((abs(a["train_loss"] - b["train_loss"]) for a, b in pairs), default=None),
-            accuracy=run.get("accuracy"), logged_accuracy=ref.get("accuracy") if full else None))
+            cut_short=bool(pairs) and last < ref_last, accuracy=run.get("accuracy"),
+            logged_accuracy=ref.get("accuracy") if pairs and last == ref_last else None))
     return report
 
 

@@ -1198,7 +1198,10 @@ def describe_reproduction(report, log_path):
         if not r["epochs"]:
             lines.append(f"seed {r['seed']}: {log_path} holds no epochs of this seed to compare with")
             continue
-        if r["first_difference"] is None:
+        if r["first_difference"] is None and r["cut_short"]:
+            what = (f"identical to the log over its {r['epochs']} epoch(s), bit for bit (it stopped early: its "
+                    "last evaluation, the final one, has no logged counterpart)")
+        elif r["first_difference"] is None:
             what = f"identical to the log over {r['epochs']} epoch(s), training loss and test accuracy bit for bit"
         else:
             what = (f"differs from the log from epoch {r['first_difference']} on (training loss by up to "

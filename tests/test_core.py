@@ -232,13 +232,16 @@ def test_reproduction_report_finds_the_first_differing_epoch():
                                                           for e, (l, a) in enumerate(zip(losses, accs))])
     nan = float("nan")
     logged = [run(0, [2.0, 1.5, 1.2], [nan, 0.5, 0.7], 0.7), run(1, [2.1, 1.6, 1.3], [0.3, 0.5, 0.72], 0.72)]
-    same, later, short, other = core.reproduction_report([
+    same, later, short, short_off, other = core.reproduction_report([
         run(0, [2.0, 1.5, 1.2], [nan, 0.5, 0.7], 0.7),       # identical, NaN (not evaluated) included
         run(1, [2.1, 1.6, 1.25], [0.3, 0.5, 0.72], 0.72),    # its last epoch's loss differs
-        run(1, [2.1, 1.6], [0.3, 0.51], 0.51),               # stopped early; epoch 2's accuracy differs
+        run(1, [2.1, 1.6], [0.3, 0.55], 0.55),               # stopped early: epoch 2 its final evaluation (TTA),
+        run(1, [2.1, 1.6], [0.31, 0.55], 0.55),              # the log's a plain one: only epoch 1's compared
         run(7, [2.0], [0.1], 0.1)], logged)                  # no logged run of seed 7
-    assert same == dict(seed=0, epochs=3, first_difference=None, max_loss_difference=0.0, accuracy=0.7,
-                        logged_accuracy=0.7)
+    assert same == dict(seed=0, epochs=3, first_difference=None, max_loss_difference=0.0, cut_short=False,
+                        accuracy=0.7, logged_accuracy=0.7)
     assert later["first_difference"] == 3 and later["max_loss_difference"] == pytest.approx(0.05)
-    assert short["epochs"] == 2 and short["first_difference"] == 2 and short["logged_accuracy"] is None
+    assert short["epochs"] == 2 and short["first_difference"] is None and short["cut_short"]
+    assert short["logged_accuracy"] is None
+    assert short_off["first_difference"] == 1
     assert other["epochs"] == 0 and other["first_difference"] is None

@@ -638,6 +638,14 @@ def test_from_log_reruns_a_logged_run_bit_for_bit_and_says_so(tiny_npz, tmp_path
     out = capsys.readouterr().out
     assert out.count("identical to the log over 2 epoch(s)") == 2
 
+    # stopped after epoch 1: that epoch's evaluation is its final one (TTA), the log's a plain one
+    short = train_cifar.main(["--from-log", first["log_json"], "--data", tiny_npz, "--log-dir", "", "--runs", "1",
+                              "--stop-after-epochs", "1"])
+    assert short["reproduces"]["runs"][0] == dict(seed=5, epochs=1, first_difference=None, max_loss_difference=0,
+                                                  cut_short=True, accuracy=short["runs"][0]["accuracy"],
+                                                  logged_accuracy=None)
+    assert "it stopped early" in capsys.readouterr().out
+
     changed = train_cifar.main(["--from-log", first["log_json"], "--data", tiny_npz, "--log-dir", "",
                                 "--runs", "1", "--lr-values", "0.5", "0.0"])
     assert changed["config"]["lr_values"] == [0.5, 0.0] and changed["config"]["widths"] == [8, 16, 16]
