@@ -1322,7 +1322,7 @@ def parse_args(argv):
                epilog=f"The value after each option is {preset}'s; `--preset NAME --help` shows another "
                       f"preset's.\nPresets: {', '.join(PRESETS)}")
     p.add_argument("--preset", default=None, choices=list(PRESETS),
-                   help=f"the recipe (README: Presets), default {DEFAULT_PRESET}; the options below override its values")
+                   help=f"the recipe (README: Presets), default {DEFAULT_PRESET}; the options below override it")
     p.add_argument("--from-log", default=None, metavar="LOG.json",
                    help="rerun the runs a log records (its preset, options and seeds; the options below override\n"
                         "them) and compare each with the logged run of its seed, epoch by epoch")
