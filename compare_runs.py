@@ -6,9 +6,11 @@ and compare two series: is a variant better, or within the noise?
 
 For each series: the logs and finished runs pooled, their seeds, final test accuracy (mean ± sample std, and the
 standard error of the mean), how many reach the target and how far the mean is from it (95% interval), training
-FLOPs, and the time per run on each machine it ran on (times on different hardware are not pooled). For two: the difference of mean accuracies (B - A) with Welch's standard error and 95% interval, and, over
-the seeds both series ran, the paired difference (each seed's luck in data order and initialisation cancels, so
-it is the sharper test when the runs were made as pairs). Reads the JSON summaries train_cifar.py writes.
+FLOPs, the time per run on each machine it ran on (times on different hardware are not pooled), and the commits
+its logs ran at. For two: the difference of mean accuracies (B - A) with Welch's standard error and 95%
+interval, and, over the seeds both series ran, the paired difference (each seed's luck in data order and
+initialisation cancels, so it is the sharper test when the runs were made as pairs). Reads the JSON summaries
+train_cifar.py writes.
 
 Runs pool only when their logs share a recipe: logs whose hyper-parameters differ (epochs, widths, ...) are an
 error naming the difference, unless --allow-mixed. Seeds, hardware, compilation and the like do not count."""
@@ -102,7 +104,8 @@ def summary(s):
             times.setdefault(str(r["hardware"]), []).append(r["total_time_s"])
     reached = [r for r in runs if r["target"] is not None and r["accuracy"] >= r["target"]]
     flops = sorted({round(r["flops"] / 1e15, 3) for r in runs if r["flops"]})  # PF, as printed
-    return dict(n=len(runs), seeds=seed_ranges([r["seed"] for r in runs]), mean=mean, std=std,
+    commits = list(dict.fromkeys(str(log.get("commit"))[:7] for log in s["logs"]))  # in the order given
+    return dict(n=len(runs), seeds=seed_ranges([r["seed"] for r in runs]), mean=mean, std=std, commits=commits,
                 se=std / math.sqrt(len(runs)) if len(runs) > 1 else math.nan, reached=len(reached),
                 targets=sorted({r["target"] for r in runs if r["target"] is not None}),
                 flops=flops, hardware={h: times.get(h, []) for h in sorted({str(r["hardware"]) for r in runs})})
@@ -137,6 +140,10 @@ def describe(name, s, out=print):
             out(f"  on {h}: {len(times)} runs, {mean_time:.1f} ± {std_time:.1f} s a run")
         else:
             out(f"  on {h}: " + (f"1 run, {mean_time:.1f} s" if times else "no times logged"))
+    shown = m["commits"] if len(m["commits"]) <= 8 else m["commits"][:4] + ["..."] + m["commits"][-2:]
+    out(f"  code: {len(m['commits'])} commit(s), {', '.join(shown)}"
+        + (" (a seed may round otherwise across them: see train_cifar.py --from-log)"
+           if len(m["commits"]) > 1 else ""))
     if s["left_out"]:
         out(f"  ({s['left_out']} unfinished, diverged or cut-short run(s) left out)")
     for key, values in s["differences"].items():

@@ -53,6 +53,7 @@ def test_a_series_pools_its_logs(real_log, tmp_path, capsys):
     assert compare_runs.main([first, second]) == 0
     out = capsys.readouterr().out
     assert "n=5 (seeds 0-4)" in out and "3 of 5 reach 94%" in out and "1 unfinished" in out
+    assert f"code: 1 commit(s), {str(real_log['commit'])[:7]}\n" in out
     half = core.student_t_quantile(0.975, 4) * statistics.stdev(acc) / math.sqrt(5)
     gap = statistics.mean(acc) - 94
     assert f"mean - target {gap:+.2f} points (95% interval {gap - half:+.2f} to {gap + half:+.2f})" in out
@@ -115,3 +116,17 @@ def test_every_committed_log_of_a_preset_reads(capsys):
     for paths in by_preset.values():
         assert compare_runs.main(paths + ["--allow-mixed"]) == 0
     assert capsys.readouterr().out.count("accuracy ") == len(by_preset)
+
+
+def test_a_series_names_the_commits_it_spans(real_log, tmp_path, capsys):
+    """Logs of one recipe run at different commits pool (the code may have changed only how a run rounds, as
+    92e7861 did fast94's), and the series says which commits, in the order given, each once."""
+    paths = []
+    for i, commit in enumerate(["aaaaaaa1", "bbbbbbb2", "aaaaaaa1", "ccccccc3"]):
+        log = json.loads(open(write_log(tmp_path, real_log, f"c{i}", [(i, 0.94)])).read())
+        log["commit"] = commit
+        (tmp_path / f"c{i}.json").write_text(json.dumps(log))
+        paths.append(str(tmp_path / f"c{i}.json"))
+    assert compare_runs.summary(compare_runs.series(paths))["commits"] == ["aaaaaaa", "bbbbbbb", "ccccccc"]
+    assert compare_runs.main(paths) == 0
+    assert "code: 3 commit(s), aaaaaaa, bbbbbbb, ccccccc (a seed may round otherwise" in capsys.readouterr().out
