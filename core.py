@@ -8,6 +8,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 import time
 
 
@@ -312,6 +313,18 @@ def stamped_log_path(log_dir, name, timestamp):
 
 
 @functools.lru_cache(maxsize=None)
+def exit_with(main):
+    """sys.exit(main()) for a command-line script, quiet when its reader leaves early (`... | head`): Python
+    would print a BrokenPipeError traceback, twice, for output nobody reads."""
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit finds no pipe
+        code = 1
+    sys.exit(code)
+
+
 def git_commit(directory=None):
     """The commit checked out when this process first asked, with '+dirty' when tracked files outside logs/
     differ from it. Outside git (a copy of the tree sent to another machine) it is $GIT_COMMIT if set, else None.

@@ -254,4 +254,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    core.exit_with(main)

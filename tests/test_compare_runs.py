@@ -130,3 +130,20 @@ def test_a_series_names_the_commits_it_spans(real_log, tmp_path, capsys):
     assert compare_runs.summary(compare_runs.series(paths))["commits"] == ["aaaaaaa", "bbbbbbb", "ccccccc"]
     assert compare_runs.main(paths) == 0
     assert "code: 3 commit(s), aaaaaaa, bbbbbbb, ccccccc (a seed may round otherwise" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("unbuffered", [True, False])
+def test_a_reader_that_leaves_early_gets_no_traceback(real_log, tmp_path, unbuffered):
+    """`compare_runs.py ... | head -1`: the reader gone, Python would print a BrokenPipeError traceback (from
+    print, or from the flush at exit when stdout is buffered); core.exit_with ends quietly with exit code 1."""
+    import subprocess
+    import sys
+    path = write_log(tmp_path, real_log, "a", [(0, 0.94), (1, 0.95)])
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    p = subprocess.Popen([sys.executable, os.path.join(REPO, "compare_runs.py"), path], cwd=REPO, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p.stdout.close()  # before the script has written anything
+    err = p.stderr.read()
+    assert p.wait() == 1 and "Traceback" not in err and "BrokenPipe" not in err, err
