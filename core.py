@@ -312,7 +312,6 @@ def stamped_log_path(log_dir, name, timestamp):
     return os.path.join(log_dir, f"{name}-{timestamp[:19].replace(':', '')}.json")
 
 
-@functools.lru_cache(maxsize=None)
 def exit_with(main):
     """sys.exit(main()) for a command-line script, quiet when its reader leaves early (`... | head`): Python
     would print a BrokenPipeError traceback, twice, for output nobody reads."""
@@ -325,6 +324,7 @@ def exit_with(main):
     sys.exit(code)
 
 
+@functools.lru_cache(maxsize=None)
 def git_commit(directory=None):
     """The commit checked out when this process first asked, with '+dirty' when tracked files outside logs/
     differ from it. Outside git (a copy of the tree sent to another machine) it is $GIT_COMMIT if set, else None.
