@@ -1191,6 +1191,27 @@ def config_from_log(path):
     return preset, {k: tuple(v) if isinstance(v, list) else v for k, v in logged.items()}, log, predated
 
 
+def describe_rerun(log_path, logged, preset, options, overrides, predated):
+    """What --from-log prints before it trains: the log's provenance and what this rerun changes or lacks."""
+    first, last = overrides["seed"], overrides["seed"] + overrides["runs"] - 1
+    seeds = f"{first}-{last}" if last > first else f"{first}"
+    lines = [f"rerunning {log_path}: preset {preset}, seed(s) {seeds}; logged on {logged.get('hardware')}, "
+             f"torch {logged.get('torch')}, commit {str(logged.get('commit'))[:12]} (this code: "
+             f"{str(core.git_commit())[:12]})"]
+    changed = core.differing_keys([options, overrides])
+    if changed:
+        lines.append("changed from the log: " + ", ".join(
+            f"--{k.replace('_', '-')} {as_flag_value(overrides[k])} (logged {as_flag_value(options[k])})"
+            for k in changed))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if logged.get("world_size", 1) != world:
+        lines.append(f"the log ran {logged.get('world_size', 1)} processes, this {world}: the runs may differ")
+    if predated:
+        lines.append(f"the log predates {', '.join('--' + k.replace('_', '-') for k in predated)}: they take "
+                     "their defaults, so the rerun may differ")
+    return lines
+
+
 def describe_reproduction(report, log_path):
     """One line per run of core.reproduction_report."""
     lines = []
@@ -1358,29 +1379,15 @@ def main(argv=None):
         if k in overrides:
             overrides[k] = tuple(overrides[k])
     preset, logged = args.preset or DEFAULT_PRESET, None
-    report = print if int(os.environ.get("RANK", 0)) == 0 else (lambda *a: None)
+    rank0 = int(os.environ.get("RANK", 0)) == 0  # torchrun sets RANK; only rank 0 reports
     try:
         if args.from_log:
             if args.preset:
                 raise ValueError("--from-log takes the preset its log names; leave --preset out")
             preset, options, logged, predated = config_from_log(args.from_log)
             overrides = dict(options, **overrides)
-            first, last = overrides["seed"], overrides["seed"] + overrides["runs"] - 1
-            seeds = f"{first}-{last}" if last > first else f"{first}"
-            report(f"rerunning {args.from_log}: preset {preset}, seed(s) {seeds}; logged on {logged.get('hardware')}, "
-                   f"torch {logged.get('torch')}, commit {str(logged.get('commit'))[:12]} (this code: "
-                   f"{str(core.git_commit())[:12]})")
-            changed = core.differing_keys([options, overrides])
-            if changed:
-                report("changed from the log: " + ", ".join(
-                    f"--{k.replace('_', '-')} {as_flag_value(overrides[k])} (logged {as_flag_value(options[k])})"
-                    for k in changed))
-            world = int(os.environ.get("WORLD_SIZE", 1))
-            if logged.get("world_size", 1) != world:
-                report(f"the log ran {logged.get('world_size', 1)} processes, this {world}: the runs may differ")
-            if predated:
-                report(f"the log predates {', '.join('--' + k.replace('_', '-') for k in predated)}: they take their "
-                       "defaults, so the rerun may differ")
+            for line in describe_rerun(args.from_log, logged, preset, options, overrides, predated) if rank0 else []:
+                print(line)
         summary = train(preset, data_path=overrides.pop("data", None), device=args.device,
                         log_dir=args.log_dir or None, checkpoint=args.checkpoint, **overrides)
         if torch.distributed.is_initialized():
@@ -1395,7 +1402,7 @@ def main(argv=None):
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    if int(os.environ.get("RANK", 0)) == 0:  # torchrun sets RANK; only rank 0 reports
+    if rank0:
         print_summary(summary)
         if logged:
             summary["reproduces"] = dict(log=args.from_log, runs=core.reproduction_report(summary["runs"],
