@@ -1,7 +1,9 @@
 """Pieces that do not depend on PyTorch: schedules, timing, tables, statistics, logs."""
+import argparse
 import ast
 import contextlib
 import datetime
+import errno
 import functools
 import json
 import math
@@ -9,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 
@@ -303,6 +306,31 @@ def sigterm_as_interrupt():
 def utc_timestamp():
     """Now in UTC, ISO 8601 to the second (2026-12-01T14:51:25+00:00): when a log was started or written."""
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def writable_folder(path, what):
+    """path, once it is or can become a folder this process can write in (checked with a file that leaves no
+    trace, creating nothing); else a ValueError naming `what` (the option). Checked before a run starts, so a
+    long run never ends on a log it cannot write."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    try:
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise ValueError(f"{what} {path}: cannot write there ({e.strerror or e})") from None
+    return path
+
+
+def folder_option(text):
+    """argparse type for an output folder ('' for none): writable_folder's check when the options are read."""
+    try:
+        return writable_folder(text, "folder") if text else text
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def stamped_log_path(log_dir, name, timestamp):

@@ -778,12 +778,13 @@ def cmd_run(parser, args):
                   f"{spec['budget_steps']} steps ({spec['budget_epochs']:.2f} epochs), eval every "
                   f"{spec['eval_every_steps']}")
         return
-    import torch
-    import torch_backend as tb
+    import torch_backend as tb  # only here: planning and plotting run without torch
     import train_cifar
     try:
+        device = tb.resolve_device(args.device)
+        os.makedirs(core.writable_folder(args.out, "--out"), exist_ok=True)
         data = tb.load_cifar10(args.data or train_cifar.default_data_path())
-    except tb.DataError as e:
+    except (ValueError, tb.DataError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     if args.train_subset:  # a random subset: the training set is sorted by class
         keep = np.random.default_rng(0).permutation(len(data["train_y"]))[:args.train_subset]
@@ -792,8 +793,6 @@ def cmd_run(parser, args):
     if n_train <= 0 or max(args.batch_sizes) > n_train:
         parser.exit(2, f"{parser.prog}: error: batch sizes up to {max(args.batch_sizes)} need more than the "
                        f"{n_train} training images left (holdout {settings['holdout']})\n")
-    device = torch.device(args.device) if args.device else tb.default_device()
-    os.makedirs(args.out, exist_ok=True)
     path = shard_path(args.out, args.shard)
     specs = plan(settings, args.batch_sizes, args.trials, n_train, args.shard, args.trial_order)
     others = [r for p in trial_files(args.out) if p != path for r in read_trials(p)]
@@ -846,7 +845,10 @@ def cmd_plot(parser, args):
         report(rows, regimes, trend)
         curves.append((label, rows, regimes, trend))
     out = args.out or (args.dirs[0] if len(args.dirs) == 1 else os.path.join("logs", "batch-size-plots"))
-    os.makedirs(out, exist_ok=True)
+    try:
+        os.makedirs(core.writable_folder(out, "--out"), exist_ok=True)
+    except ValueError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     print("wrote " + ", ".join(plot(curves, out)))
 
 

@@ -340,7 +340,8 @@ def parse_args(argv):
     p.add_argument("--data", default=None, help="CIFAR-10 .npz, tarball or folder (default: $CIFAR10_DATA or ./data)")
     p.add_argument("--train-subset", type=int, default=0, metavar="N",
                    help="train on a fixed random N of the training images (smoke tests; 0: all)")
-    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
+    p.add_argument("--device", default=None, type=tb.device_option,
+                   help="cpu, cuda, ... (default: cuda if available)")
     p.add_argument("--out", default=None, help="output folder (default logs/echo-<workload>-<pipeline>)")
     p.add_argument("--r-batches", type=int, default=10, help="timed batches for t_upstream and t_downstream")
     p.add_argument("--no-r", action="store_true", help="do not measure R (an R already in OUT/r.json is still used)")
@@ -370,7 +371,10 @@ def parse_args(argv):
 def main(argv=None):
     parser, args = parse_args(argv)
     workload = WORKLOADS[args.workload]
-    os.makedirs(args.out, exist_ok=True)
+    try:
+        os.makedirs(core.writable_folder(args.out, "--out"), exist_ok=True)
+    except ValueError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     results_path = os.path.join(args.out, "results.jsonl")
     records = read_results(results_path)
     mismatched = [r for r in records if r.get("settings") != args.settings]
@@ -384,7 +388,7 @@ def main(argv=None):
           f"{' '.join(args.modes)}, factors {' '.join(f'{f:g}' for f in args.factors)}, {args.seeds} seed(s); "
           f"{len(done)} run(s) already in {results_path}, {len(todo)} to go", flush=True)
 
-    device = torch.device(args.device) if args.device else tb.default_device()
+    device = args.device or tb.default_device()
     try:
         data = tb.load_cifar10(args.data or train_cifar.default_data_path())
     except tb.DataError as e:

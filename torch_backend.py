@@ -1,5 +1,6 @@
 """Everything that needs PyTorch: data on the device, batched augmentation, networks, precision, the Muon
 optimizer, FLOPs."""
+import argparse
 import contextlib
 import glob
 import math
@@ -143,6 +144,35 @@ def load_cifar10(path, download=True):
 
 def default_device():
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def resolve_device(name=None):
+    """The device a --device option names (None: default_device()), or a ValueError saying why it cannot be
+    used. Only CPUs and CUDA GPUs: the timer synchronises those, elsewhere it would time kernel launches."""
+    if name is None:
+        return default_device()
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"device {name!r}: not a device name; use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {name!r}: these scripts run on cpu or cuda devices only")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "was built without CUDA" if torch.version.cuda is None else "finds no CUDA GPU"
+            raise ValueError(f"device {name!r}: this torch ({torch.__version__}) {why}; use cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: there are {torch.cuda.device_count()} CUDA device(s), "
+                             f"numbered from 0")
+    return device
+
+
+def device_option(text):
+    """argparse type for --device: the error names the option and says why (resolve_device)."""
+    try:
+        return resolve_device(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def synchronizer(device):

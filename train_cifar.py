@@ -1062,8 +1062,12 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
         progress = core.Progress(sys.stderr)
     if device is None and world > 1 and torch.cuda.is_available():
         device = f"cuda:{local_rank}"
-    device = torch.device(device) if device is not None else tb.default_device()
+    device = tb.resolve_device(device)
     precision = tb.resolve_precision(cfg["precision"], device)
+    if log_dir:  # before anything runs: a run must not end on a file it cannot write
+        core.writable_folder(log_dir, "log-dir")
+    if checkpoint:
+        os.makedirs(core.writable_folder(os.path.dirname(checkpoint) or ".", "checkpoint's folder"), exist_ok=True)
     if data is None:
         data = tb.load_cifar10(data_path or default_data_path())
     data = tb.validate(dict(data), "data")
@@ -1349,7 +1353,8 @@ def parse_args(argv):
                         "them) and compare each with the logged run of its seed, epoch by epoch")
     p.add_argument("--data", default=None, help="CIFAR-10 .npz, tarball or folder (default: $CIFAR10_DATA or ./data)")
     p.add_argument("--log-dir", default="logs", help="where the JSON summary and TSV table go ('' for none)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--device", default=None, type=tb.device_option,
+                   help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--checkpoint", default=None,
                    help="save the run after every epoch and resume from this file if it exists (--runs 1)")
     keys = sorted(set(COMMON) | {k for cfg in PRESETS.values() for k in cfg})

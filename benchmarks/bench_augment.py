@@ -36,12 +36,13 @@ def main():
     p.add_argument("--batch", type=int, default=512, help="images per batch")
     p.add_argument("--batches", type=int, default=8, help="batches per timed repeat (batched version)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats (mean ± std)")
-    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
-    p.add_argument("--log-dir", default="logs", help="where the JSON result goes")
+    p.add_argument("--device", default=None, type=tb.device_option,
+                   help="cpu, cuda, ... (default: cuda if available)")
+    p.add_argument("--log-dir", default="logs", type=core.folder_option, help="where the JSON result goes")
     a = p.parse_args()
     if min(a.batch, a.batches, a.repeats) < 1:
         p.error("--batch, --batches and --repeats must be at least 1")
-    device = torch.device(a.device) if a.device else tb.default_device()
+    device = a.device or tb.default_device()
     data = tb.to_device(tb.load_cifar10(a.data), device, torch.float32, pad=4)
     n = len(data["train_y"])
     gen = torch.Generator(device=device).manual_seed(0)

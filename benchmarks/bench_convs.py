@@ -85,13 +85,14 @@ def main():
     p.add_argument("--batch-size", type=int, default=0, help="default: the preset's")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per kernel (mean ± std)")
     p.add_argument("--image-size", type=int, default=32, help="input side (24: fast94's progressively resized epochs)")
-    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
-    p.add_argument("--log-dir", default="logs", help="where the JSON result goes")
+    p.add_argument("--device", default=None, type=tb.device_option,
+                   help="cpu, cuda, ... (default: cuda if available)")
+    p.add_argument("--log-dir", default="logs", type=core.folder_option, help="where the JSON result goes")
     a = p.parse_args()
     if a.repeats < 1 or a.batch_size < 0 or not train_cifar.MIN_TRAIN_SIZE <= a.image_size <= train_cifar.IMAGE_SIZE:
         p.error(f"--repeats must be >= 1, --batch-size >= 0 and --image-size in "
                 f"{train_cifar.MIN_TRAIN_SIZE}..{train_cifar.IMAGE_SIZE}")
-    device = torch.device(a.device) if a.device else tb.default_device()
+    device = a.device or tb.default_device()
     cfg = train_cifar.make_config(a.preset)
     precision = tb.resolve_precision(cfg["precision"], device)
     batch_size = a.batch_size or cfg["batch_size"]

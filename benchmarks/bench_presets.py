@@ -165,8 +165,9 @@ def main():
     p.add_argument("--steps", type=int, default=5, help="training steps per timed repeat")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per preset (mean ± std)")
     p.add_argument("--compile", action="store_true", help="time the torch.compile'd step (compiled in the warm-up)")
-    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
-    p.add_argument("--log-dir", default="logs", help="where the JSON result goes")
+    p.add_argument("--device", default=None, type=tb.device_option,
+                   help="cpu, cuda, ... (default: cuda if available)")
+    p.add_argument("--log-dir", default="logs", type=core.folder_option, help="where the JSON result goes")
     p.add_argument("--flops-only", action="store_true",
                    help="only count each preset's FLOPs (on the meta device, instant) and time nothing")
     p.add_argument("--breakdown", action="store_true",
@@ -199,7 +200,7 @@ def main():
             core.write_json_atomic(path, dict(info, results=results))
             print(f"log: {path}")
         return
-    device = torch.device(a.device) if a.device else tb.default_device()
+    device = a.device or tb.default_device()
     info = dict(hardware=tb.device_name(device), torch=torch.__version__, commit=core.git_commit(),
                 date=core.utc_timestamp(),
                 steps=a.steps, repeats=a.repeats, compile=a.compile, overrides=overrides,

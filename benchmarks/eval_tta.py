@@ -99,15 +99,16 @@ def main():
                    help="--tta-confidence values to measure (extra views only below this probability)")
     p.add_argument("--repeats", type=int, default=3, help="timed evaluations per mode (mean ± std)")
     p.add_argument("--view-sets", action="store_true", help="also compare the sets of views in VIEW_SETS")
-    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
-    p.add_argument("--log-dir", default="logs", help="where the JSON result goes")
+    p.add_argument("--device", default=None, type=tb.device_option,
+                   help="cpu, cuda, ... (default: cuda if available)")
+    p.add_argument("--log-dir", default="logs", type=core.folder_option, help="where the JSON result goes")
     a = p.parse_args()
     if not all(0 < c <= 1 for c in a.confidences) or a.repeats < 1:
         p.error("confidences must be in (0, 1] and --repeats at least 1")
     missing = [c for c in a.checkpoints if not os.path.exists(c)]
     if missing:
         p.error(f"no such checkpoint: {', '.join(missing)}")
-    device = torch.device(a.device) if a.device else tb.default_device()
+    device = a.device or tb.default_device()
     sync = tb.synchronizer(device)
     raw = tb.validate(dict(tb.load_cifar10(a.data or train_cifar.default_data_path())), "data")
     table = core.Table(["seed", "mode", "accuracy", "tta_share", "seconds", "±"], width=12)

@@ -245,3 +245,12 @@ def test_reproduction_report_finds_the_first_differing_epoch():
     assert short["logged_accuracy"] is None
     assert short_off["first_difference"] == 1
     assert other["epochs"] == 0 and other["first_difference"] is None
+
+
+def test_writable_folder_checks_without_creating_anything(tmp_path):
+    wanted = tmp_path / "a" / "b"
+    assert core.writable_folder(str(wanted), "--out") == str(wanted)
+    assert os.listdir(tmp_path) == []  # the check's file left no trace, and no folder was made
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=r"--out .*file/logs: cannot write there \(Not a directory\)"):
+        core.writable_folder(str(tmp_path / "file" / "logs"), "--out")

@@ -52,11 +52,29 @@ def tiny_npz(tmp_path, tiny):
     (["--warmup-epochs", "inf"], "warmup-epochs must be finite"),
     (["--lookahead-start-epoch", "0", "--lookahead-every", "0"], "lookahead needs lookahead-every >= 1"),
     (["--lookahead-start-epoch", "0", "--lookahead-decay", "2"], "lookahead-decay in [0, 1]"),
+    (["--device", "gpu0"], "device 'gpu0': not a device name"),
+    (["--device", "meta"], "run on cpu or cuda devices only"),
+    (["--log-dir", "/dev/null/logs"], "log-dir /dev/null/logs: cannot write there (Not a directory)"),
+    (["--checkpoint", "/dev/null/run.pt"], "checkpoint's folder /dev/null: cannot write there"),
 ])
 def test_bad_options_exit_2_with_one_line(tiny_npz, args, message):
     r = cli("--data", tiny_npz, "--log-dir", "", *args)
     assert r.returncode == 2
     assert message in r.stderr and r.stderr.strip().count("\n") <= 1  # argparse adds a usage line at most
+
+
+def test_a_device_that_cannot_run_is_refused_saying_why(monkeypatch):
+    """Not an AssertionError from deep in torch.cuda after the data has loaded."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"device 'cuda': this torch \(.*\) (was built without CUDA|finds no CUDA GPU)"):
+        tb.resolve_device("cuda")
+    assert tb.resolve_device(None) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match="there are 2 CUDA device"):
+        tb.resolve_device("cuda:2")
+    assert tb.resolve_device("cuda:1") == torch.device("cuda:1")
+    assert tb.resolve_device("cpu") == torch.device("cpu")
 
 
 @pytest.mark.parametrize("overrides, message", [
