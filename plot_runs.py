@@ -226,6 +226,7 @@ def main(argv=None):
     try:
         if a.reference and a.x != "epoch":
             raise LogError("reference curves are per epoch and from other hardware: plot them with --x epoch")
+        os.makedirs(core.writable_folder(os.path.dirname(a.out) or ".", "--out's folder"), exist_ok=True)
         summaries = [core.read_run_log(path) for path in a.logs]
         references = [load_reference(path) for path in a.reference]
         if a.x == "flops":
@@ -233,7 +234,7 @@ def main(argv=None):
             plot_flops(points, a.out)
         else:
             n = plot(summaries, a.out, a.x, references)
-    except LogError as e:
+    except (LogError, ValueError) as e:
         print(f"plot_runs.py: error: {e}", file=sys.stderr)
         return 2
     if a.x == "flops":

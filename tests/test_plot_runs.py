@@ -45,6 +45,16 @@ def test_plot_writes_a_png(logged, tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_into_a_new_folder_or_an_unwritable_one(logged, tmp_path, capsys):
+    """A new folder is made; one that cannot be is a one-line error before the logs are read, not a traceback."""
+    out = tmp_path / "plots" / "runs.png"
+    assert plot_runs.main([logged[0], "--out", str(out)]) == 0 and out.exists()
+    (tmp_path / "file").write_text("x")
+    assert plot_runs.main([logged[0], "--out", str(tmp_path / "file" / "runs.png")]) == 2
+    err = capsys.readouterr().err
+    assert "--out's folder" in err and "cannot write there (Not a directory)" in err and err.count("\n") == 1
+
+
 @pytest.mark.parametrize("content, message", [
     ('{"preset": "fast94", "runs": [', "not valid JSON"),
     ('{"rows": []}', "not a train_cifar.py log"),
