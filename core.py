@@ -341,15 +341,15 @@ def stamped_log_path(log_dir, name, timestamp):
 
 
 def exit_with(main):
-    """sys.exit(main()) for a command-line script, quiet when its reader leaves early (`... | head`): Python
-    would print a BrokenPipeError traceback, twice, for output nobody reads."""
+    """sys.exit(main()) for a command-line script (an exit code, or anything else for 0), quiet when its reader
+    leaves early (`... | head`): Python would print a BrokenPipeError traceback, twice, for output nobody reads."""
     try:
         code = main()
         sys.stdout.flush()
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit finds no pipe
         code = 1
-    sys.exit(code)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 @functools.lru_cache(maxsize=None)

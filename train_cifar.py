@@ -1421,4 +1421,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    core.exit_with(main)

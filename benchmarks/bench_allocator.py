@@ -93,4 +93,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    core.exit_with(main)

@@ -142,4 +142,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    core.exit_with(main)

@@ -176,4 +176,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    core.exit_with(main)

@@ -719,3 +719,14 @@ def test_rows_reach_a_redirected_stdout_as_they_come(tiny_npz, tmp_path):
     finally:
         p.kill()
         p.wait()
+
+
+def test_a_reader_that_leaves_early_ends_the_run_without_a_traceback(tiny_npz):
+    """`python train_cifar.py | head -3`: once the reader is gone the run ends (exit 1) without the
+    BrokenPipeError traceback Python would print, twice, for output nobody reads (core.exit_with)."""
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_cifar.py"), "--data", tiny_npz, "--log-dir", "",
+                          "--widths", "8", "8", "8", "--batch-size", "50", "--epochs", "2", "--precision", "fp32"],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p.stdout.close()  # before the script has written anything
+    err = p.stderr.read()
+    assert p.wait() == 1 and "Traceback" not in err and "BrokenPipe" not in err, err
