@@ -23,7 +23,7 @@ import core
 
 # Config keys that say how or where a run ran, or what it reports, not what it trains.
 NOT_RECIPE = {"runs", "seed", "compile", "compile_mode", "cpu_conv", "eval_every", "eval_every_steps",
-              "loader_workers", "target", "stop_after_epochs", "loss_scale"}
+              "loader_workers", "target", "stop_after_epochs", "loss_scale", "sync_check"}
 
 
 LogError = core.LogError

@@ -175,6 +175,21 @@ def device_option(text):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+@contextlib.contextmanager
+def cuda_sync_debug(device, mode):
+    """torch.cuda.set_sync_debug_mode(mode) while the block runs ("error": any host synchronisation raises,
+    "default": allowed), on a CUDA device; mode None or another device: nothing changes."""
+    if mode is None or device.type != "cuda":
+        yield
+        return
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+
+
 def synchronizer(device):
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
@@ -852,9 +867,10 @@ class Muon(torch.optim.Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(p)
             bufs.append(self._fixed(state.get("momentum_buffer")))  # (again after a load_state_dict)
             ortho = group["orthogonalize"] and p.ndim >= 2
-            if ortho and group["norm"] != "none" and "norm" not in state:
+            if ortho and group["norm"] != "none" and "norm" not in state:  # (full: made on the device, where
+                # torch.tensor would copy from the host, which a GPU's first step would wait for)
                 state["norm"] = (torch.linalg.vector_norm(p.detach()) if group["norm"] == "initial"
-                                 else torch.tensor(float(p.shape[0]), device=p.device).sqrt())
+                                 else torch.full((), float(p.shape[0]), device=p.device).sqrt())
             norms.append(self._fixed(state["norm"]) if ortho and group["norm"] != "none" else None)
             scales.append(max(1.0, p.shape[0] * p.shape[0] / p.numel()) ** 0.5 if p.ndim >= 2 else 1.0)
         return bufs, norms, scales

@@ -44,6 +44,9 @@ COMMON = dict(
     # torch.compile's mode for the net with --compile: "default", or "reduce-overhead" (CUDA graphs: the step's
     # kernels replayed in one launch) or "max-autotune-no-cudagraphs" (kernel choices timed while compiling)
     compile_mode="default",
+    # CUDA only: any host synchronisation inside the training steps is an error (torch.cuda.set_sync_debug_mode), the
+    # check that the loop never waits on the GPU (the per-epoch totals and evaluations are outside it)
+    sync_check=False,
     ema_every=0, ema_decay=0.99,  # evaluate a moving average of the weights, updated every ema_every steps (0: off)
     # Large batches and many devices (parallel.py). reference_batch_size 0 means the preset's own batch size.
     optimizer="sgd", trust_coefficient=0.001, lr_scaling="none", reference_batch_size=0, warmup_epochs=0.0,
@@ -890,40 +893,43 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
         model.train()
         if progress:
             progress.start(f"run {run_index} epoch {epoch}", min(per_epoch, total_steps - step))
-        for i in range(per_epoch):
-            if step >= total_steps:
-                break
-            lr = lr_at(step / per_epoch)
-            set_lr(opt, lr)
-            if history is not None:  # the global batch's choice, then this process's slice of it
-                x, y, idx = stream.next_chosen_batch(history, bs, rank * local_bs, (rank + 1) * local_bs)
-            else:
-                x, y = stream.next_batch(rank * local_candidates, (rank + 1) * local_candidates)  # its slice
-            x = tb.resize_images(x, size)
-            if proxy is not None:
-                x, y = proxy.select(x, y, local_bs, lr, train=step % cfg["proxy_every"] == 0)
-            out, loss = train_step(cfg, step_fn, opt, x, y, precision, device, scaler)
-            if history is not None:
-                record_losses(history, idx, out, y, cfg["label_smoothing"], world)
-            step += 1
-            if progress:
-                progress.update(i + 1)
-            loss_sum += loss.detach() * len(y)
-            correct += (out.detach().argmax(1) == y).sum()
-            seen += len(y)
-            if 0 <= cfg["lookahead_start_epoch"] < epoch and step % cfg["lookahead_every"] == 0:
-                if lookahead is None:
-                    lookahead = Lookahead(model)
-                else:  # average weakly early on and strongly at the end
-                    decay = cfg["lookahead_decay"] ** cfg["lookahead_every"] * (step / total_steps) ** cfg["lookahead_pow"]
-                    lookahead.update(decay)
-            if ema is not None and step % cfg["ema_every"] == 0:
-                ema.update()
-            if cfg["eval_every_steps"] and step % cfg["eval_every_steps"] == 0:
-                stop = evaluate_during_epoch(cfg, model, data, precision, device, rank, world, timer, stream,
-                                             result, step, per_epoch, loss, ema)
-                if stop:
+        with tb.cuda_sync_debug(device, "error" if cfg["sync_check"] else None):
+            for i in range(per_epoch):
+                if step >= total_steps:
                     break
+                lr = lr_at(step / per_epoch)
+                set_lr(opt, lr)
+                if history is not None:  # the global batch's choice, then this process's slice of it
+                    x, y, idx = stream.next_chosen_batch(history, bs, rank * local_bs, (rank + 1) * local_bs)
+                else:
+                    x, y = stream.next_batch(rank * local_candidates, (rank + 1) * local_candidates)  # its slice
+                x = tb.resize_images(x, size)
+                if proxy is not None:
+                    x, y = proxy.select(x, y, local_bs, lr, train=step % cfg["proxy_every"] == 0)
+                out, loss = train_step(cfg, step_fn, opt, x, y, precision, device, scaler)
+                if history is not None:
+                    record_losses(history, idx, out, y, cfg["label_smoothing"], world)
+                step += 1
+                if progress:
+                    progress.update(i + 1)
+                loss_sum += loss.detach() * len(y)
+                correct += (out.detach().argmax(1) == y).sum()
+                seen += len(y)
+                if 0 <= cfg["lookahead_start_epoch"] < epoch and step % cfg["lookahead_every"] == 0:
+                    if lookahead is None:
+                        lookahead = Lookahead(model)
+                    else:  # average weakly early on and strongly at the end
+                        decay = (cfg["lookahead_decay"] ** cfg["lookahead_every"]
+                                 * (step / total_steps) ** cfg["lookahead_pow"])
+                        lookahead.update(decay)
+                if ema is not None and step % cfg["ema_every"] == 0:
+                    ema.update()
+                if cfg["eval_every_steps"] and step % cfg["eval_every_steps"] == 0:
+                    with tb.cuda_sync_debug(device, "default" if cfg["sync_check"] else None):  # it reads its accuracy
+                        stop = evaluate_during_epoch(cfg, model, data, precision, device, rank, world, timer, stream,
+                                                     result, step, per_epoch, loss, ema)
+                    if stop:
+                        break
         if progress:
             progress.clear()
         if lookahead is not None and (cfg["lookahead_sync"] == "epoch" or step >= total_steps):
@@ -1064,6 +1070,8 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
         device = f"cuda:{local_rank}"
     device = tb.resolve_device(device)
     precision = tb.resolve_precision(cfg["precision"], device)
+    if cfg["sync_check"] and device.type != "cuda":
+        raise ValueError(f"sync-check is for CUDA devices (torch checks host synchronisation there), not {device}")
     if log_dir:  # before anything runs: a run must not end on a file it cannot write
         core.writable_folder(log_dir, "log-dir")
     if checkpoint:
@@ -1279,6 +1287,7 @@ OPTION_HELP = dict(
     loss_scale="fp16: batch (fixed, the batch size rounded to a power of 2), dynamic (GradScaler) or a number",
     compile="torch.compile the training step (compilation is outside the timer)",
     compile_mode="torch.compile mode: default, reduce-overhead (CUDA graphs), max-autotune(-no-cudagraphs)",
+    sync_check="CUDA: fail on any host synchronisation inside the training steps (the loop never waits on the GPU)",
     cpu_conv="CPU bf16 conv kernels: auto, matmul (small maps by matmul; faster with AMX) or onednn",
     # The net
     net="resnet9, resnet9_tricks, preact_resnet18, preact_resnet18_dup or fastnet",

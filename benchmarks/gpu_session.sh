@@ -13,7 +13,7 @@
 # stays warm, but gets a fresh copy of the repo, ignored files gone, at every call: carry the data set's parts one
 # per call and copy each to /tmp). Run counts: N94, N95, N96, NTRICKS (default 20, 5, 5, 5; 0 skips one; N94_GRAPHS
 # runs fast94 under CUDA graphs too, N96_FP16 fast96 in fp16, REPRO reruns that many logged fast94 seeds
-# with --from-log); SMOKE: the smoke's preset[:mode] list;
+# with --from-log); SMOKE: the smoke's preset[:mode] list; SYNC_CHECK: the presets it runs under --sync-check;
 # COMPILE_MODE: torch.compile's mode (train_cifar's --compile-mode); EXTRAS=1 adds the GPU runs of the closed
 # issues' presets if time is left.
 # GIT_COMMIT names the commit in the logs where the tree has no .git. Then: tar -xzf gpu-logs.tar.gz -C logs/
@@ -56,6 +56,12 @@ EOF
     done
     [ -n "${SMOKE:-}" ] || step smoke-resnet9-tricks 60 python train_cifar.py --preset resnet9-tricks \
         --data /tmp/random-cifar.npz --device cuda --runs 1 --stop-after-epochs 1 --log-dir "$LOGS"
+    # The training steps never wait on the GPU: under --sync-check any host synchronisation in them is an error
+    for p in ${SYNC_CHECK:-fast94 fast96}; do
+        step "sync-check-$p" 90 python train_cifar.py --preset "$p" --data /tmp/random-cifar.npz --device cuda \
+            --compile true --sync-check true --runs 1 --stop-after-epochs 1 --log-dir "$LOGS"
+    done
+    ! python -c "import pytest" 2>/dev/null || step tests-gpu 120 python -m pytest -q tests/test_gpu.py
     echo "done $(date -u +%H:%M:%S)" | tee -a "$REPORT"
     exit
 fi

@@ -53,6 +53,7 @@ def tiny_npz(tmp_path, tiny):
     (["--lookahead-start-epoch", "0", "--lookahead-every", "0"], "lookahead needs lookahead-every >= 1"),
     (["--lookahead-start-epoch", "0", "--lookahead-decay", "2"], "lookahead-decay in [0, 1]"),
     (["--device", "gpu0"], "device 'gpu0': not a device name"),
+    (["--sync-check", "true", "--device", "cpu"], "sync-check is for CUDA devices"),
     (["--device", "meta"], "run on cpu or cuda devices only"),
     (["--log-dir", "/dev/null/logs"], "log-dir /dev/null/logs: cannot write there (Not a directory)"),
     (["--checkpoint", "/dev/null/run.pt"], "checkpoint's folder /dev/null: cannot write there"),
@@ -75,6 +76,30 @@ def test_a_device_that_cannot_run_is_refused_saying_why(monkeypatch):
         tb.resolve_device("cuda:2")
     assert tb.resolve_device("cuda:1") == torch.device("cuda:1")
     assert tb.resolve_device("cpu") == torch.device("cpu")
+
+
+def test_cuda_sync_debug_sets_the_mode_for_the_block_and_puts_it_back(monkeypatch):
+    """--sync-check's switch: torch's sync debug mode "error" inside the step loop, the one before restored after,
+    also when the block raises; nothing on a CPU or with mode None. (tests/test_gpu.py runs it for real.)"""
+    modes = [0]
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: modes[-1])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda m: modes.append({"default": 0, "error": 2}.get(m, m)))
+    cuda = collections.namedtuple("Device", "type")("cuda")
+    with tb.cuda_sync_debug(cuda, "error"):
+        assert modes[-1] == 2
+        with tb.cuda_sync_debug(cuda, "default"):  # a per-step evaluation inside the loop
+            assert modes[-1] == 0
+        assert modes[-1] == 2
+    assert modes[-1] == 0
+    with pytest.raises(KeyError):
+        with tb.cuda_sync_debug(cuda, "error"):
+            raise KeyError
+    assert modes[-1] == 0
+    before = len(modes)
+    for device, mode in ((cuda, None), (torch.device("cpu"), "error")):
+        with tb.cuda_sync_debug(device, mode):
+            pass
+    assert len(modes) == before
 
 
 @pytest.mark.parametrize("overrides, message", [
