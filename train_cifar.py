@@ -136,7 +136,7 @@ PRESETS = {
     # 449 ± 24 s, logs/fast94-20261202-051400-6620, -052224-7258, -053112-7322, -053948-7400, -054730-7462;
     # seeds 5-8 (93.96, 94.11, 94.29, 94.10, logs/fast94-20261202-100741-26284) and 9-11 (94.23, 94.07, 94.18,
     # logs/fast94-20261202-124557-1360): 94.12 ± 0.10% over n=12; seeds 12-15 on a Zen 4 (94.23, 94.26, 94.32,
-    # 94.15; 874 ± 15 s, logs/fast94-20261204-230116-23640): 94.15 ± 0.10% over n=16; seeds 16-19 there a day
+    # 94.15; 874 ± 15 s, logs/fast94-20261204-230116-23640): 94.15 ± 0.10% over n=16; seeds 16-19 there 1.5 h
     # later (94.17, 93.92, 94.12, 94.12; 693 ± 6 s, logs/fast94-20261205-012711-15184): 94.14 ± 0.11% over n=20
     # (18 reach 94%). NVIDIA H200, compiled: 94.14 ± 0.12% (n=20, 18 reach 94%), 2.79 ± 0.24 s a run,
     # logs/fast94-20261204-163352-1899 (the lease before, only the net compiled: 94.08 ± 0.15%, 2.67 ± 0.19 s,
@@ -184,7 +184,7 @@ PRESETS = {
     # blocks 1.5-2x wider, 15 epochs, peak LR x 10/11.5 with the same decay per step (weight_decay x 11.5/10);
     # the schedule keeps its shape (warm-up over the first 23%); the whitening bias at the plain LR and lookahead
     # from the start, synced into the net at the end only, as airbench95. 1.33 PF a run (counted). bf16, 2-core CPUs:
-    # 95.04 ± 0.05% (n=5: 94.98, 95.08, 95.06 on an AMX Xeon, 49-59 min a run; 94.98, 95.08 on a Zen 4, 60-62 min),
+    # 95.04 ± 0.05% (n=5: 94.98, 95.08, 95.06 on an AMX Xeon, 49-69 min a run; 94.98, 95.08 on a Zen 4, 60-62 min),
     # logs/fast95-20261201-134755-16770, -145223-17524, -162455-24316 and -20261203-075221-11179. fast94's Muon
     # recipe on these blocks (LR 1.4, weight decay 2.9e-3, 15 epochs, 1.13 PF) gave 94.97 +- 0.15% (n=3,
     # logs/fast94-20261202-164255-13787): under 95%, so not adopted. NVIDIA H200, compiled: 95.06 ± 0.10% (n=5),
