@@ -220,6 +220,13 @@ IMAGE_SIZE = 32
 NETS = ("resnet9", "resnet9_tricks", "preact_resnet18", "preact_resnet18_dup", "fastnet")
 
 
+# Counts, sizes and seeds: a fraction of one is never meant (and fails deep in torch).
+WHOLE_NUMBER_OPTIONS = {"runs", "seed", "batch_size", "pad", "cutout", "tta", "eval_every", "eval_every_steps",
+                        "holdout", "stop_after_epochs", "reference_batch_size", "block_depth", "muon_ns_steps",
+                        "proxy_every", "lookahead_every", "ema_every", "bn_group_size", "sync_bn_group_size",
+                        "allreduce_group_size", "echo_shuffle_buffer", "loader_workers"}
+
+
 def make_config(preset=DEFAULT_PRESET, **overrides):
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
@@ -231,13 +238,19 @@ def make_config(preset=DEFAULT_PRESET, **overrides):
         default, wanted = cfg[key], None
         if isinstance(default, bool):
             wanted = None if isinstance(value, bool) else "True or False"
+        elif key in WHOLE_NUMBER_OPTIONS:  # (the command line reads these as int; --set may give 1.5)
+            wanted = None if isinstance(value, numbers.Integral) and not isinstance(value, bool) else "a whole number"
         elif isinstance(default, (int, float)):  # (numpy's numbers too)
             wanted = None if isinstance(value, numbers.Real) and not isinstance(value, bool) else "a number"
         elif isinstance(default, tuple):
             wanted = None if isinstance(value, (tuple, list)) else "a tuple of numbers"
         if value is not None and wanted:
             raise ValueError(f"{key.replace('_', '-')} takes {wanted}, got {value!r}")
-    cfg.update({k: v for k, v in overrides.items() if v is not None})
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if "epochs" in given and "lr_knots" not in given and math.isfinite(given["epochs"]):
+        # the schedule stretches with the run: --epochs 8 on a 10-epoch preset still anneals, at 8, not 10
+        given["lr_knots"] = tuple(round(k * given["epochs"] / cfg["epochs"], 9) for k in cfg["lr_knots"])
+    cfg.update(given)
     if not cfg["reference_batch_size"]:
         cfg["reference_batch_size"] = PRESETS[preset]["batch_size"]
     check_config(cfg)
@@ -1298,7 +1311,7 @@ OPTION_HELP = dict(
     whiten_bias_epochs="fastnet: train the whitening conv's bias for the first this many epochs only (0: always)",
     whiten_bias_fast="fastnet: the whitening bias trains with the BN biases at bias-lr-scale (else at the plain LR)",
     # Optimisation
-    epochs="epochs of training (may be fractional)",
+    epochs="epochs of training (may be fractional); the preset's lr-knots stretch with it unless --lr-knots is given",
     batch_size="images per step (over all processes together)",
     lr_knots="epochs at which the piecewise-linear LR schedule has its knots",
     lr_values="the LR at each knot (SGD on the batch-mean loss)",

@@ -102,8 +102,20 @@ def test_cuda_sync_debug_sets_the_mode_for_the_block_and_puts_it_back(monkeypatc
     assert len(modes) == before
 
 
+def test_epochs_alone_stretch_the_presets_lr_knots():
+    """--epochs 8 on fast94 (knots 0, 10) used to end the run at the LR of epoch 8 of 10, never annealed; the
+    knots now stretch with the epochs, unless --lr-knots is given too."""
+    assert train_cifar.make_config("fast94", epochs=8)["lr_knots"] == (0, 8)
+    assert train_cifar.make_config("fast94-sgd", epochs=19.8)["lr_knots"] == pytest.approx((0, 4.554, 19.8))
+    assert train_cifar.make_config("fast94", epochs=8, lr_knots=(0, 10))["lr_knots"] == (0, 10)
+    assert train_cifar.make_config("fast94")["lr_knots"] == train_cifar.PRESETS["fast94"]["lr_knots"]
+
+
 @pytest.mark.parametrize("overrides, message", [
     (dict(epochs="inf"), "epochs takes a number, got 'inf'"),
+    (dict(pad=1.5), "pad takes a whole number, got 1.5"),
+    (dict(loader_workers=0.5), "loader-workers takes a whole number"),
+    (dict(batch_size=True), "batch-size takes a whole number"),
     (dict(nesterov="yes"), "nesterov takes True or False"),
     (dict(widths="8"), "widths takes a tuple of numbers"),
     (dict(momentum=True), "momentum takes a number"),
@@ -227,7 +239,7 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, preset, options):
     assert [(seg["first_epoch"], seg["hardware"]) for seg in from_legacy["segments"]] == [(1, None),
                                                                                          (2, tb.device_name(dev))]
     other = train_cifar.make_config(preset, **dict(options, epochs=3))
-    with pytest.raises(ValueError, match=r"another configuration \(differs in epochs\)"):
+    with pytest.raises(ValueError, match=r"another configuration \(differs in epochs, lr_knots\)"):
         train_cifar.run_once(other, on_device, 0, 7, dev, "fp32", checkpoint=ckpt)
 
 
