@@ -264,9 +264,11 @@ class LoaderDataset(torch.utils.data.Dataset):
     Returns a dict: x (B, H, W, C) float32 normalised, augmented (size x size) or, without `augment`, only
     reflect-padded by `pad` (H = size + 2*pad); y, index, pass, upstream (B,) int64; and the draws used."""
 
-    def __init__(self, encoded, labels, pad, cutout, flip, augment=True, size=32):
+    def __init__(self, encoded, labels, pad, cutout, flip, augment=True, size=32, base_flip=None):
+        """base_flip: for alternating flips, each example's flip in odd passes (even passes: the other way)."""
         self.encoded, self.labels = encoded, np.asarray(labels, dtype=np.int64)
         self.pad, self.cutout, self.flip, self.augment, self.size = pad, cutout, flip, augment, size
+        self.base_flip = base_flip
         self.mean, self.std = _normalisation()
 
     def __len__(self):
@@ -280,6 +282,8 @@ class LoaderDataset(torch.utils.data.Dataset):
                "upstream": torch.full((b,), upstream, dtype=torch.long)}
         if self.augment:
             draws = draw_augmentation_np(np.random.default_rng([seed, upstream]), b, p, self.cutout, self.flip, s)
+            if self.base_flip is not None:
+                draws["flip"] = alternate_flips(self.base_flip, index, pass_no)
             x = np.empty((b, s, s, 3), dtype=np.float32)
             for k, i in enumerate(index):
                 x[k] = augment_example(self.encoded.decode(i), *(draws[d][k] for d in AUG_KEYS), p, self.cutout,
@@ -295,6 +299,12 @@ class LoaderDataset(torch.utils.data.Dataset):
 
 
 AUG_KEYS = ("dy", "dx", "flip", "cy", "cx")
+
+
+def alternate_flips(base_flip, index, pass_no):
+    """Alternating flips, as the device pipeline has them: example i is flipped as base_flip[i] in odd upstream
+    passes (the first is 1) and the other way in even ones."""
+    return np.asarray(base_flip)[np.asarray(index)] ^ (np.asarray(pass_no) % 2 == 0)
 
 
 class UpstreamJobs(torch.utils.data.Sampler):
@@ -375,7 +385,8 @@ class LoaderStream:
     stream runs on across passes: nothing is dropped except each shuffle's incomplete last upstream batch.
 
     Augmentation matches the device pipeline's definition (crop with offsets 0..2*pad from the reflect-padded
-    image, horizontal flip, cutout square inside the crop); flip="alternate" is treated as random here.
+    image, horizontal flip, cutout square inside the crop); with flip="alternate" each example's flip is drawn
+    once and then alternates every upstream pass (every echoed copy of it in a pass flipped alike), as there.
     Randomness comes from the run's generator: four seeds drawn from it at construction give the shuffles,
     the per-job augmentation seeds (see LoaderDataset), the DataLoader's generator (worker seeds) and a host
     generator for echo repeats, the shuffle buffer and the before-aug draws. The batches do not depend on the
@@ -405,7 +416,11 @@ class LoaderStream:
         size = cfg.get("echo_shuffle_buffer", 0)
         self.buffer = ShuffleBuffer(size, self.gen) if size > 1 else None
         flip = cfg.get("flip", "random") != "none"
-        dataset = LoaderDataset(encode_pngs(raw_x), raw_y, cfg["pad"], cfg["cutout"], flip, augment=not self.before_aug)
+        # drawn only for alternating flips, so the other runs' random streams are as they were
+        self.base_flip = (torch.randint(0, 2, (self.n,), generator=self.gen).bool().numpy()
+                          if cfg.get("flip") == "alternate" else None)
+        dataset = LoaderDataset(encode_pngs(raw_x), raw_y, cfg["pad"], cfg["cutout"], flip, augment=not self.before_aug,
+                                base_flip=self.base_flip)
         workers = cfg.get("loader_workers", 1)
         self.loader = torch.utils.data.DataLoader(
             dataset, batch_size=None, sampler=UpstreamJobs(self.n, self.bs, seeds[1], seeds[2]),
@@ -461,9 +476,11 @@ class LoaderStream:
             sel = us == u
             for k, v in self.chunks[u].info.items():
                 info.setdefault(k, torch.empty(self.bs, dtype=v.dtype))[sel] = v[rows[sel]]
-        if self.before_aug:  # every copy gets its own draws; "alternate" flips count as random
+        if self.before_aug:  # every copy gets its own draws (but for alternating flips: per example and pass)
             info.update(tb.draw_augmentation(self.bs, self.cfg["pad"], self.cfg["cutout"],
                                              self.cfg.get("flip", "random") != "none", self.gen, torch.device("cpu")))
+            if self.base_flip is not None:
+                info["flip"] = torch.from_numpy(alternate_flips(self.base_flip, info["index"], info["pass"]))
         self.last = info
         sl = slice(lo, hi)
         x, y = self._gather(us[sl], rows[sl], {k: info[k][sl] for k in AUG_KEYS} if self.before_aug else None)

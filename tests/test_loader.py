@@ -155,6 +155,28 @@ def test_each_example_appears_factor_times_per_upstream_pass(mode, factor):
         assert sum(len(d) for d in draws.values()) > 0.9 * sum(seen.values())
 
 
+@pytest.mark.parametrize("mode, factor, workers", [("none", 1, 0), ("none", 1, 1), ("example-before-aug", 2, 0),
+                                                   ("example-after-aug", 2, 0)])
+def test_alternating_flips_alternate_every_pass_as_on_the_device(mode, factor, workers):
+    """flip="alternate" (fast94's): each example flipped one way in a pass and the other way in the next, every
+    copy alike, the first way random per example; the batches still the reference augmentation of those draws.
+    (Before 2026-12-05 the loader flipped at random here while its logs said alternate.)"""
+    data = loader_data(n=100)
+    stream = stream_of(data, workers, flip="alternate", echo=mode, echo_factor=factor)
+    flips = collections.defaultdict(set)
+    for _ in range(3 * 5 * factor):  # three upstream passes of 5 batches
+        x, _ = stream.next_batch()
+        last = stream.last
+        assert torch.equal(x, tb.augment_reference(data["train_x"], last["index"], last))
+        for i, p, f in zip(last["index"].tolist(), last["pass"].tolist(), last["flip"].tolist()):
+            flips[i, p].add(f)
+    assert stream.passes == 3 and all(len(f) == 1 for f in flips.values())
+    first = [flips[i, 1].pop() for i in range(100)]
+    assert 30 < sum(first) < 70
+    assert all(flips[i, 2] == {not first[i]} and flips[i, 3] == {first[i]} for i in range(100))
+    stream.close()
+
+
 @pytest.mark.parametrize("workers, factor", [(0, 2), (1, 3), (0, 2.5)])
 def test_batch_echo_repeats_whole_identical_batches(workers, factor):
     data = loader_data(n=100)
