@@ -770,12 +770,27 @@ def load_checkpoint(path, device):
     return state
 
 
-def checkpoint_mismatch(state, cfg, seed, precision):
+def data_fingerprint(data):
+    """Sizes and exact integer checksums of the run's data as on the device (each image's bits summed, weighted
+    by its position; the labels likewise): a checkpoint must not resume on other data, or the same in another
+    order (its example indices, loss history and stream position would then point elsewhere)."""
+    def checksum(t):
+        ints = t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+        per_row = ints.reshape(len(ints), -1).sum(1)  # (integer sums accumulate in int64: exact)
+        return int((per_row * torch.arange(1, len(per_row) + 1, device=per_row.device)).sum())
+    return {k: [len(data[k]), checksum(data[k])] for k in ("train_x", "train_y", "test_x", "test_y")}
+
+
+def checkpoint_mismatch(state, cfg, seed, precision, fingerprint=None):
     """Why a saved run cannot continue as this one, or None. Precision is compared as resolved, so a run that
     `auto` put in fp32 continues under `--precision fp32` (checkpoints from before this was saved compare
-    the option as given)."""
+    the option as given); the data by data_fingerprint (where both have one)."""
     if state["seed"] != seed:
         return f"holds seed {state['seed']}, not {seed}; remove it or pass another --checkpoint"
+    if fingerprint and state.get("data") and state["data"] != fingerprint:
+        differ = [k for k in fingerprint if state["data"].get(k) != fingerprint[k]]
+        return (f"was trained on other data ({', '.join(differ)} differ: {state['data']['train_x'][0]} training "
+                f"images there, {fingerprint['train_x'][0]} here); pass the --data it ran on")
     if "precision" in state:
         if state["precision"] != precision:
             return f"trained in {state['precision']}; pass --precision {state['precision']} to continue it"
@@ -784,7 +799,7 @@ def checkpoint_mismatch(state, cfg, seed, precision):
         saved = state["cfg"]
     # where to stop is not the run, and compiling or the CPU's conv kernels change how a step runs, not what it
     # computes (each segment records whether it was compiled, and its hardware)
-    unrun = dict(stop_after_epochs=0, compile=False, compile_mode=None, cpu_conv=None)
+    unrun = dict(stop_after_epochs=0, compile=False, compile_mode=None, cpu_conv=None, sync_check=False)
     cfg, saved = dict(cfg, **unrun), dict(saved, **unrun)
     # options added or removed since the checkpoint was saved are not compared: the code's own change is what
     # the run's segments record (commit per part)
@@ -821,6 +836,7 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
                   fresh_to_target=None, step_reached_target=None, total_time_s=None, train_flops=None,
                   diverged=False, stopped_after_epoch=None, epochs=rows, evals=[], segments=[segment])
 
+    fingerprint = data_fingerprint(data) if checkpoint else None  # (before the clock starts)
     timer = core.Timer(sync)
     model = build_model(cfg, device, data["train_x"], gen)  # the whitening is fitted to data: timed
     opt = make_optimizer(cfg, model)
@@ -840,7 +856,7 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
     state = None
     if checkpoint and os.path.exists(checkpoint):
         state = load_checkpoint(checkpoint, device)
-        why = checkpoint_mismatch(state, cfg, seed, precision)
+        why = checkpoint_mismatch(state, cfg, seed, precision, fingerprint)
         if why:
             raise ValueError(f"checkpoint {checkpoint} {why}")
     proxy = Proxy(cfg, data, gen, device, precision) if uses_proxy(cfg) else None  # timed
@@ -992,8 +1008,9 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
             result.update(stopped_after_epoch=epoch, steps_trained=step)
         if checkpoint:
             tmp = checkpoint + ".tmp"
-            torch.save(dict(cfg=cfg, seed=seed, precision=precision, model=model.state_dict(), opt=opt.state_dict(),
-                            scaler=scaler.state_dict(), lookahead=lookahead.avg if lookahead else None,
+            torch.save(dict(cfg=cfg, seed=seed, precision=precision, data=fingerprint, model=model.state_dict(),
+                            opt=opt.state_dict(), scaler=scaler.state_dict(),
+                            lookahead=lookahead.avg if lookahead else None,
                             ema=ema.avg if ema is not None else None,
                             proxy=proxy.state_dict() if proxy is not None else None, history=history,
                             gen=gen.get_state(), stream=stream.state_dict(), step=step, epoch=epoch,
@@ -1092,6 +1109,9 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
     if data is None:
         data = tb.load_cifar10(data_path or default_data_path())
     data = tb.validate(dict(data), "data")
+    if cfg["holdout"] >= len(data["train_y"]):
+        raise ValueError(f"holdout {cfg['holdout']} leaves none of the {len(data['train_y'])} training images "
+                         "to train on")
     if cfg["holdout"]:  # a fixed split, the same for every run and seed
         order = np.random.default_rng(0).permutation(len(data["train_y"]))
         held, kept = order[:cfg["holdout"]], order[cfg["holdout"]:]
@@ -1103,8 +1123,9 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
         raise ValueError("--checkpoint is not supported with --pipeline loader")
     if candidate_batch_size(cfg) > len(data["train_y"]):
         drawn = " (candidates for selection)" if cfg["select_fraction"] < 1 else ""
+        left = f" left by holdout {cfg['holdout']}" if cfg["holdout"] else ""
         raise ValueError(f"batch size {candidate_batch_size(cfg)}{drawn} exceeds the {len(data['train_y'])} "
-                         "training images")
+                         f"training images{left}")
     on_device = tb.to_device(data, device, tb.DTYPES[precision], pad=cfg["pad"])
     if cfg["pipeline"] == "loader":  # the loader pipeline starts from the encoded images, not the tensors
         on_device.update(raw_train_x=data["train_x"], raw_train_y=data["train_y"])

@@ -54,6 +54,8 @@ def tiny_npz(tmp_path, tiny):
     (["--lookahead-start-epoch", "0", "--lookahead-decay", "2"], "lookahead-decay in [0, 1]"),
     (["--device", "gpu0"], "device 'gpu0': not a device name"),
     (["--sync-check", "true", "--device", "cpu"], "sync-check is for CUDA devices"),
+    (["--holdout", "200"], "holdout 200 leaves none of the 200 training images"),
+    (["--holdout", "100", "--batch-size", "150"], "exceeds the 100 training images left by holdout 100"),
     (["--device", "meta"], "run on cpu or cuda devices only"),
     (["--log-dir", "/dev/null/logs"], "log-dir /dev/null/logs: cannot write there (Not a directory)"),
     (["--checkpoint", "/dev/null/run.pt"], "checkpoint's folder /dev/null: cannot write there"),
@@ -363,6 +365,31 @@ def test_checkpoint_mismatch_compares_precision_as_resolved():
     legacy = dict(cfg=cfg, seed=4)  # saved before the resolved precision was: the option must match as given
     assert train_cifar.checkpoint_mismatch(legacy, cfg, 4, "fp32") is None
     assert "differs in precision" in train_cifar.checkpoint_mismatch(legacy, dict(cfg, precision="fp32"), 4, "fp32")
+
+
+def test_a_checkpoint_does_not_resume_on_other_data(tmp_path):
+    """Other images of the same count, or the same images in another order, were resumed silently (or failed
+    with an IndexError when there were more): the checkpoint now holds the data's fingerprint."""
+    cfg = train_cifar.make_config("resnet9", **dict(TINY, stop_after_epochs=1))
+    dev = torch.device("cpu")
+
+    def on_device(data):
+        return tb.to_device(tb.validate(data, "tiny"), dev, torch.float32, pad=cfg["pad"])
+    data = synthetic(400, 100)
+    ckpt = str(tmp_path / "run.pt")
+    train_cifar.run_once(cfg, on_device(data), 0, 7, dev, "fp32", log=lambda *a: None, checkpoint=ckpt)
+    order = np.random.default_rng(0).permutation(400)
+    shuffled = dict(data, train_x=data["train_x"][order], train_y=data["train_y"][order])
+    for other, differ in ((synthetic(400, 100, seed=1), "train_x, test_x differ"),
+                          (shuffled, "train_x, train_y differ"), (synthetic(300, 100), "300 here")):
+        with pytest.raises(ValueError, match=f"was trained on other data .*{differ}"):
+            train_cifar.run_once(dict(cfg, stop_after_epochs=2), on_device(other), 0, 7, dev, "fp32",
+                                 log=lambda *a: None, checkpoint=ckpt)
+    resumed = train_cifar.run_once(dict(cfg, stop_after_epochs=2), on_device(data), 0, 7, dev, "fp32",
+                                   log=lambda *a: None, checkpoint=ckpt)
+    assert len(resumed["epochs"]) == 2
+    fp = train_cifar.data_fingerprint(on_device(data))
+    assert fp == train_cifar.data_fingerprint(on_device(dict(data)))  # exact: the same data, the same numbers
 
 
 @pytest.mark.parametrize("preset", list(train_cifar.PRESETS))
