@@ -56,7 +56,7 @@ def _load_batches_dir(d):
 
 def _load_tarball(path):
     try:
-        with tarfile.open(path, "r:gz") as tar:
+        with tarfile.open(path, "r:*") as tar:  # gzipped as published, or not
             members = {os.path.basename(m.name): m for m in tar.getmembers() if m.isfile()}
             names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
             missing = [n for n in names if n not in members]
@@ -123,7 +123,7 @@ def load_cifar10(path, download=True):
     (where nothing is found and `download` is set, torchvision downloads into that folder)."""
     hint = f"pass --data PATH to a cifar10.npz, a {BATCHES_DIR}/ folder or {TARBALL} (or set CIFAR10_DATA)"
     if os.path.isfile(path):
-        data = _load_npz(path) if path.endswith(".npz") else _load_tarball(path)
+        data = _load_npz(path) if path.endswith(".npz") or zipfile.is_zipfile(path) else _load_tarball(path)
     elif os.path.isfile(os.path.join(path, "data_batch_1")):
         data = _load_batches_dir(path)
     elif os.path.isdir(os.path.join(path, BATCHES_DIR)):

@@ -34,6 +34,17 @@ def test_npz_batches_folder_and_tarball_load_the_same(tmp_path, tiny):
         assert_same(tb.load_cifar10(str(path), download=False), tiny)
 
 
+def test_files_are_read_by_their_contents_not_their_names(tmp_path, tiny):
+    """An .npz saved under another name was read as a tarball ("not a gzip file"); so was an uncompressed tar."""
+    np.savez(tmp_path / "c.npz", **tiny)
+    os.rename(tmp_path / "c.npz", tmp_path / "cifar.dat")
+    write_batches(tmp_path / "root" / tb.BATCHES_DIR, tiny)
+    with tarfile.open(tmp_path / "plain.tar", "w") as tar:
+        tar.add(tmp_path / "root" / tb.BATCHES_DIR, arcname=tb.BATCHES_DIR)
+    for path in (tmp_path / "cifar.dat", tmp_path / "plain.tar"):
+        assert_same(tb.load_cifar10(str(path), download=False), tiny)
+
+
 def test_truncated_files_are_clear_errors(tmp_path, tiny):
     np.savez_compressed(tmp_path / "c.npz", **tiny)
     raw = (tmp_path / "c.npz").read_bytes()
