@@ -1220,6 +1220,11 @@ def config_from_log(path):
     they were added with) and names them in predated; one with an option today's code lacks cannot be rerun
     here (ValueError naming its commit)."""
     log = core.read_run_log(path)
+    runs_ok = all(isinstance(r, dict) and isinstance(r.get("seed"), int) and isinstance(r.get("epochs", []), list)
+                  and all(isinstance(e, dict) and {"train_loss", "test_acc"} <= set(e) for e in r.get("epochs", []))
+                  for r in log["runs"])
+    if not isinstance(log.get("config") or {}, dict) or not runs_ok:  # (else a traceback after the rerun trained)
+        raise ValueError(f"{path}: not a train_cifar.py log (a config, and runs with a seed and epoch rows)")
     logged = dict(log.get("config") or {})
     preset = logged.pop("preset", log["preset"])
     if preset not in PRESETS or not logged:
@@ -1234,7 +1239,9 @@ def config_from_log(path):
     missing = [k for k in predated if k not in COMMON]
     if missing:
         raise ValueError(f"{path} lacks {', '.join(missing)}: not a complete config")
-    return preset, {k: tuple(v) if isinstance(v, list) else v for k, v in logged.items()}, log, predated
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in logged.items()}
+    make_config(preset, **options)  # a value of the wrong kind: its error now, not a traceback later
+    return preset, options, log, predated
 
 
 def describe_rerun(log_path, logged, preset, options, overrides, predated):

@@ -762,6 +762,17 @@ def test_from_log_names_what_a_log_predates_and_refuses_what_is_gone(tiny_npz, t
                           (["--from-log", s["log_json"], "--preset", "fast95"], "leave --preset out")]:
         r = cli(*args, "--data", tiny_npz, "--log-dir", "")
         assert r.returncode == 2 and message in r.stderr and r.stderr.strip().count("\n") == 0
+    # malformed logs: refused before anything trains (they ended in tracebacks, some after the rerun had trained)
+    good = json.loads(open(s["log_json"]).read())
+    for change, message in [(lambda g: g.update(config=[1, 2]), "not a train_cifar.py log"),
+                            (lambda g: g["runs"][0].pop("seed"), "not a train_cifar.py log"),
+                            (lambda g: g["runs"][0]["epochs"][0].pop("train_loss"), "not a train_cifar.py log"),
+                            (lambda g: g["config"].update(seed="0"), "seed takes a whole number")]:
+        bad = json.loads(json.dumps(good))
+        change(bad)
+        old.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=message):
+            train_cifar.config_from_log(str(old))
 
 
 def test_rows_reach_a_redirected_stdout_as_they_come(tiny_npz, tmp_path):
