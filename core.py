@@ -325,6 +325,14 @@ def writable_folder(path, what):
     return path
 
 
+def writable_file(path, what):
+    """writable_folder for a file's folder, and path not a folder itself (an --out that appends to a file)."""
+    if os.path.isdir(path):
+        raise ValueError(f"{what} {path} is a folder; it takes the file to write")
+    writable_folder(os.path.dirname(path) or ".", f"{what} {path}: its folder")
+    return path
+
+
 def folder_option(text):
     """argparse type for an output folder ('' for none): writable_folder's check when the options are read."""
     try:

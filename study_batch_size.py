@@ -684,14 +684,29 @@ def study_settings(workload="cpu", optimizer="nesterov", target=None, eval=None,
         raise StudyError(f"--set {', '.join(taken)}: the study controls this per trial (see its own options)")
     space = dict(SEARCH_SPACE)
     if lr_range:
-        space["lr_eff"] = (float(lr_range[0]), float(lr_range[1]), "log")
+        lo, hi = map(float, lr_range)
+        if not 0 < lo <= hi < math.inf:  # (its log scale: 0 or below was a "math domain error")
+            raise StudyError(f"--lr-range needs 0 < LO <= HI, both finite, got {lo:g} {hi:g}")
+        space["lr_eff"] = (lo, hi, "log")
     eval_split = eval or w["eval"]
     holdout = (holdout if holdout is not None else w["holdout"] or 5000) if eval_split == "holdout" else 0
+    if eval_split == "holdout" and holdout < 1:  # (0 would judge the target on the test set after all)
+        raise StudyError(f"--holdout must be at least 1 with --eval holdout, got {holdout}")
+    if train_subset < 0:
+        raise StudyError(f"--train-subset must be >= 0 (0: all), got {train_subset}")
     overrides = dict(w["overrides"], **(overrides or {}))
     pick = lambda v, k: v if v is not None else w[k]  # noqa: E731
+    epochs, min_steps = pick(epochs, "epochs"), pick(min_steps, "min_steps")
+    evals_per_trial = pick(evals_per_trial, "evals_per_trial")
+    if not 0 < epochs < math.inf:
+        raise StudyError(f"--epochs must be positive and finite, got {epochs}")
+    if min_steps < 0:
+        raise StudyError(f"--min-steps must be >= 0, got {min_steps}")
+    if evals_per_trial < 1:  # (0 divided by zero, below 0 evaluated every step)
+        raise StudyError(f"--evals-per-trial must be at least 1, got {evals_per_trial}")
     return dict(workload=workload, preset=w["preset"], optimizer=optimizer, target=pick(target, "target"),
-                eval=eval_split, holdout=holdout, epochs=pick(epochs, "epochs"), min_steps=pick(min_steps, "min_steps"),
-                evals_per_trial=pick(evals_per_trial, "evals_per_trial"), seed=seed,
+                eval=eval_split, holdout=holdout, epochs=epochs, min_steps=min_steps, evals_per_trial=evals_per_trial,
+                seed=seed,
                 search_space={k: list(v) for k, v in space.items()}, lr_window_exponent=lr_window_exponent,
                 lr_reference_batch=LR_REFERENCE_BATCH, train_subset=train_subset,
                 overrides={k: list(v) if isinstance(v, tuple) else v for k, v in sorted(overrides.items())})
@@ -758,11 +773,26 @@ def parse_args(argv):
             import train_cifar
             train_cifar.make_config(w["preset"], **{k: tuple(v) if isinstance(v, list) else v
                                                    for k, v in args.settings["overrides"].items()})
-            # every trial's options (the target, each sampled LR and budget) checked now, not after hours of others
-            n_train = (args.train_subset or 50000) - args.settings["holdout"]
-            if n_train >= max(args.batch_sizes):  # (else the run stops on that, with the real data in hand)
-                for spec in plan(args.settings, args.batch_sizes, args.trials, n_train):
-                    train_cifar.make_config(w["preset"], **spec["train"])
+            for b in args.batch_sizes:  # a window reaching 0 or inf was a "math domain error" naming nothing
+                try:
+                    lo, hi = lr_window(b, args.settings["search_space"], args.lr_window_exponent)
+                except OverflowError:
+                    lo = hi = math.inf
+                if not 0 < lo <= hi < math.inf:
+                    raise StudyError(f"--lr-window-exponent {args.lr_window_exponent:g} puts the LR window at batch "
+                                     f"{b} out of floating-point range")
+            # at most this many (the real data may hold fewer: the run checks again with it in hand)
+            holdout = args.settings["holdout"]
+            n_train = (args.train_subset or 50000) - holdout
+            if n_train < max(args.batch_sizes):
+                source = f"--train-subset {args.train_subset}" if args.train_subset else "CIFAR-10's 50000"
+                held = f" less a holdout of {holdout}" if holdout else ""
+                raise StudyError(f"{n_train} training images ({source}{held}) are too few for batch sizes up to "
+                                 f"{max(args.batch_sizes)}")
+            # every trial's options (the target, each sampled LR and budget, ghost-BN groups dividing the batch)
+            # checked now, not after hours of others
+            for spec in plan(args.settings, args.batch_sizes, args.trials, n_train):
+                train_cifar.check_distributed(train_cifar.make_config(w["preset"], **spec["train"]), 1)
         except ValueError as e:
             p.error(str(e))
         args.out = args.out or os.path.join("logs", f"batch-size-{args.workload}-{args.optimizer}")
@@ -789,14 +819,19 @@ def cmd_run(parser, args):
     if args.train_subset:  # a random subset: the training set is sorted by class
         keep = np.random.default_rng(0).permutation(len(data["train_y"]))[:args.train_subset]
         data = dict(data, train_x=data["train_x"][keep], train_y=data["train_y"][keep])
+    w = WORKLOADS[args.workload]
     n_train = len(data["train_y"]) - settings["holdout"]
     if n_train <= 0 or max(args.batch_sizes) > n_train:
         parser.exit(2, f"{parser.prog}: error: batch sizes up to {max(args.batch_sizes)} need more than the "
                        f"{n_train} training images left (holdout {settings['holdout']})\n")
     path = shard_path(args.out, args.shard)
     specs = plan(settings, args.batch_sizes, args.trials, n_train, args.shard, args.trial_order)
+    try:  # trials vary the optimizer and its schedule, not the precision (fp16 on a CPU failed the first trial)
+        for spec in specs[:1]:
+            tb.resolve_precision(train_cifar.make_config(w["preset"], **spec["train"])["precision"], device)
+    except ValueError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     others = [r for p in trial_files(args.out) if p != path for r in read_trials(p)]
-    w = WORKLOADS[args.workload]
     print(f"study: {args.workload} ({w['about']}), {args.optimizer} ({OPTIMIZERS[args.optimizer].about}), "
           f"target {settings['target']:g} on the {settings['eval']} set, batch sizes "
           f"{' '.join(map(str, args.batch_sizes))}, {args.trials} trials each, on {tb.device_name(device)}", flush=True)

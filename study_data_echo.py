@@ -317,6 +317,12 @@ def plot(out, rows, title):
 # Command line
 
 
+# train_cifar options the study sets itself for every run (not settable with --set), each with the option of the
+# study that sets it (a --set seed=3 failed every run with a TypeError, after R was measured).
+STUDY_OPTIONS = {"seed": "--seed0", "runs": "--seeds", "stop_at_target": None, "echo": "--modes",
+                 "echo_factor": "--factors", "pipeline": "--pipeline", "echo_shuffle_buffer": "--echo-shuffle-buffer"}
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),
                                 epilog=__doc__.split("\n\n", 1)[1],
@@ -350,8 +356,16 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if any(f < 1 for f in args.factors) or args.seeds < 1:
         p.error("factors must be >= 1 and --seeds >= 1")
+    if args.train_subset < 0 or args.r_batches < 1:
+        p.error("--train-subset must be >= 0 (0: all) and --r-batches >= 1")
     try:
         args.overrides = core.parse_overrides(args.set)
+        taken = sorted(set(args.overrides) & set(STUDY_OPTIONS))
+        if taken:
+            instead = sorted({STUDY_OPTIONS[k] for k in taken} - {None})
+            raise ValueError(f"--set {', '.join(taken)}: the study sets {'these' if len(taken) > 1 else 'this'} "
+                             "itself for every run"
+                             + (f" (see {', '.join(instead)})" if instead else ""))
         workload = WORKLOADS[args.workload]
         train_cifar.make_config(workload["preset"], **dict(workload["overrides"], **args.overrides))
         for mode, factor, _ in plan(args.modes, args.factors, [0]):  # every run's options, before any run
@@ -396,6 +410,13 @@ def main(argv=None):
     if args.train_subset:  # a random subset: the training set is sorted by class
         keep = np.random.default_rng(0).permutation(len(data["train_y"]))[:args.train_subset]
         data = dict(data, train_x=data["train_x"][keep], train_y=data["train_y"][keep])
+    try:  # what train() would refuse, refused before R is measured or any run trains
+        for mode, factor, _ in plan(args.modes, args.factors, [0]):
+            train_cifar.check_runnable(train_cifar.make_config(workload["preset"],
+                                                               **run_overrides(args, workload, mode, factor)),
+                                       len(data["train_y"]), device)
+    except ValueError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     overrides = study_overrides(args, workload)
     cfg = train_cifar.make_config(workload["preset"], **overrides)
     if args.pipeline == "loader":  # encode once here, so no run's timer pays for it (the cache is per array)

@@ -1075,6 +1075,21 @@ def summarise(cfg, results, hardware, precision, flops_per_step, steps, flops_pe
         time_to_target_mean_s=ttt_mean, time_to_target_std_s=ttt_std)
 
 
+def check_runnable(cfg, n_train, device=None, world=1):
+    """What train() refuses once it knows the data (n_train training images, before any holdout) and the device,
+    as a ValueError: for the studies and benchmarks, which build runs of their own, to refuse before any work."""
+    check_distributed(cfg, world)
+    if device is not None:
+        tb.resolve_precision(cfg["precision"], device)
+    if cfg["holdout"] >= n_train:
+        raise ValueError(f"holdout {cfg['holdout']} leaves none of the {n_train} training images to train on")
+    left = n_train - cfg["holdout"]
+    if candidate_batch_size(cfg) > left:
+        drawn = " (candidates for selection)" if cfg["select_fraction"] < 1 else ""
+        held = f" left by holdout {cfg['holdout']}" if cfg["holdout"] else ""
+        raise ValueError(f"batch size {candidate_batch_size(cfg)}{drawn} exceeds the {left} training images{held}")
+
+
 def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=print, log_dir=None, checkpoint=None,
           progress=None, **overrides):
     """Runs one configuration (cfg['runs'] seeds) and returns the summary that is also written as JSON.
@@ -1109,9 +1124,7 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
     if data is None:
         data = tb.load_cifar10(data_path or default_data_path())
     data = tb.validate(dict(data), "data")
-    if cfg["holdout"] >= len(data["train_y"]):
-        raise ValueError(f"holdout {cfg['holdout']} leaves none of the {len(data['train_y'])} training images "
-                         "to train on")
+    check_runnable(cfg, len(data["train_y"]), device, world)
     if cfg["holdout"]:  # a fixed split, the same for every run and seed
         order = np.random.default_rng(0).permutation(len(data["train_y"]))
         held, kept = order[:cfg["holdout"]], order[cfg["holdout"]:]
@@ -1121,11 +1134,6 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
         raise ValueError("--checkpoint resumes a single run; use it with --runs 1")
     if checkpoint and cfg["pipeline"] == "loader":
         raise ValueError("--checkpoint is not supported with --pipeline loader")
-    if candidate_batch_size(cfg) > len(data["train_y"]):
-        drawn = " (candidates for selection)" if cfg["select_fraction"] < 1 else ""
-        left = f" left by holdout {cfg['holdout']}" if cfg["holdout"] else ""
-        raise ValueError(f"batch size {candidate_batch_size(cfg)}{drawn} exceeds the {len(data['train_y'])} "
-                         f"training images{left}")
     on_device = tb.to_device(data, device, tb.DTYPES[precision], pad=cfg["pad"])
     if cfg["pipeline"] == "loader":  # the loader pipeline starts from the encoded images, not the tensors
         on_device.update(raw_train_x=data["train_x"], raw_train_y=data["train_y"])

@@ -49,6 +49,11 @@ def main():
     a = p.parse_args()
     if min(a.steps, a.repeats) < 1 or (a.threads is not None and a.threads < 1):
         p.error("--steps, --repeats and --threads must be at least 1")
+    try:  # before any allocator is timed: a measurement must not end on a file it cannot append to
+        if a.out:
+            core.writable_file(a.out, "--out")
+    except ValueError as e:
+        p.error(str(e))
     found = allocators()
     names = a.allocators or list(found)
     missing = [n for n in names if n not in found]

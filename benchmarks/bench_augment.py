@@ -43,8 +43,14 @@ def main():
     if min(a.batch, a.batches, a.repeats) < 1:
         p.error("--batch, --batches and --repeats must be at least 1")
     device = a.device or tb.default_device()
-    data = tb.to_device(tb.load_cifar10(a.data), device, torch.float32, pad=4)
+    try:
+        data = tb.to_device(tb.load_cifar10(a.data), device, torch.float32, pad=4)
+    except tb.DataError as e:  # (missing or corrupt: its message says where and what to pass)
+        p.error(str(e))
     n = len(data["train_y"])
+    if a.batch * a.batches > n:  # slices past the end are empty: img/s would count images never augmented
+        p.error(f"--batch {a.batch} x --batches {a.batches} = {a.batch * a.batches} images a repeat, more than the "
+                f"{n} training images in {a.data}")
     gen = torch.Generator(device=device).manual_seed(0)
     perm = torch.randperm(n, generator=gen, device=device)
     aug = tb.draw_augmentation(n, 4, 8, True, gen, device)

@@ -37,12 +37,17 @@ def main():
     a = p.parse_args()
     if min(a.steps, a.repeats) < 1 or a.warmup < 0:
         p.error("--steps and --repeats must be at least 1, --warmup at least 0")
+    # What train() would refuse, and an --out that cannot be written, fail here: before the process group
+    # exists (each rank on its own, none waits for another) and before a measurement is taken and lost.
     try:
         cfg = train_cifar.make_config(a.preset, **core.parse_overrides(a.set))
+        train_cifar.check_runnable(cfg, N_TRAIN, tb.default_device(),
+                                   int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ else 1)
+        if a.out:
+            core.writable_file(a.out, "--out")
     except ValueError as e:
         p.error(str(e))
     rank, world, local_rank = parallel.init_distributed()
-    train_cifar.check_distributed(cfg, world)
     device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     precision = tb.resolve_precision(cfg["precision"], device)
     bs, pad, local_bs = cfg["batch_size"], cfg["pad"], cfg["batch_size"] // world
@@ -57,7 +62,7 @@ def main():
     sync = tb.synchronizer(device)
 
     def step(i):
-        start = (i * bs) % (N_TRAIN - bs) + rank * local_bs
+        start = (i * bs) % (N_TRAIN - bs + 1) + rank * local_bs  # (+ 1: a batch of all N_TRAIN starts at 0)
         idx = torch.arange(start, start + local_bs, device=device)
         x = tb.augment(x_all, idx, {k: v[start:start + local_bs] for k, v in aug.items()}, cutout=cfg["cutout"])
         train_cifar.train_step(cfg, step_fn, opt, x, y_all[idx], precision, device)

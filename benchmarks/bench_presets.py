@@ -62,7 +62,7 @@ def measure(preset, device, steps, repeats, compile=False, overrides=None, break
     losses = []  # a fast step is worth nothing if it computes NaN (as compiled resnet18 did on a CPU)
 
     def batch(i, n, side):
-        start = (i * n) % (N_TRAIN - n)
+        start = (i * n) % (N_TRAIN - n + 1)  # (+ 1: a batch of all N_TRAIN images starts at 0)
         idx = torch.arange(start, start + n, device=device)
         x = tb.augment(x_all, idx, {k: v[start:start + n] for k, v in aug.items()}, cutout=cfg["cutout"])
         return tb.resize_images(x, side), y_all[idx]
@@ -181,10 +181,16 @@ def main():
         p.error("--steps and --repeats must be at least 1")
     try:
         overrides = core.parse_overrides(a.set)
-        for preset in a.presets:
-            train_cifar.make_config(preset, **overrides)
     except ValueError as e:
         p.error(str(e))
+    device = a.device or tb.default_device()
+    for preset in a.presets:
+        try:
+            # (with --flops-only nothing runs: FLOPs are counted in fp32 on the meta device)
+            train_cifar.check_runnable(train_cifar.make_config(preset, **overrides), N_TRAIN,
+                                       None if a.flops_only else device)
+        except ValueError as e:
+            p.error(f"{preset}: {e}")
     if a.flops_only:
         info = dict(commit=core.git_commit(), torch=torch.__version__, overrides=overrides,
                     date=core.utc_timestamp())
@@ -200,7 +206,6 @@ def main():
             core.write_json_atomic(path, dict(info, results=results))
             print(f"log: {path}")
         return
-    device = a.device or tb.default_device()
     info = dict(hardware=tb.device_name(device), torch=torch.__version__, commit=core.git_commit(),
                 date=core.utc_timestamp(),
                 steps=a.steps, repeats=a.repeats, compile=a.compile, overrides=overrides,

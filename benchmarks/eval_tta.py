@@ -110,7 +110,10 @@ def main():
         p.error(f"no such checkpoint: {', '.join(missing)}")
     device = a.device or tb.default_device()
     sync = tb.synchronizer(device)
-    raw = tb.validate(dict(tb.load_cifar10(a.data or train_cifar.default_data_path())), "data")
+    try:
+        raw = tb.validate(dict(tb.load_cifar10(a.data or train_cifar.default_data_path())), "data")
+    except tb.DataError as e:  # (missing or corrupt: its message says where and what to pass)
+        p.error(str(e))
     table = core.Table(["seed", "mode", "accuracy", "tta_share", "seconds", "±"], width=12)
     results = []
     info = dict(hardware=tb.device_name(device), torch=torch.__version__, commit=core.git_commit(),

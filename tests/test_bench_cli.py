@@ -4,9 +4,16 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import torch
+
+from conftest import synthetic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import bench_ddp  # noqa: E402
+import bench_presets  # noqa: E402
 
 
 @pytest.mark.parametrize("script, args, log_option", [
@@ -39,3 +46,93 @@ def test_an_unwritable_log_folder_or_unusable_device_exits_2_before_anything_run
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
     assert os.listdir(tmp_path) == []
+
+
+def bench(script, *args, cwd, timeout=300):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+@pytest.mark.parametrize("script", ["eval_tta.py", "bench_augment.py"])
+@pytest.mark.parametrize("data, message", [("missing.npz", "no CIFAR-10 data at missing.npz"),
+                                           ("corrupt.npz", "corrupt.npz: truncated or corrupt .npz")])
+def test_missing_or_corrupt_data_is_a_one_line_error(tmp_path, script, data, message):
+    """tb.DataError's message says what to pass; it ended in a traceback instead."""
+    (tmp_path / "corrupt.npz").write_text("not an npz")
+    (tmp_path / "run.pt").write_text("")  # eval_tta loads the data before its checkpoints
+    args = ["run.pt"] if script == "eval_tta.py" else []
+    r = bench(script, *args, "--data", data, "--log-dir", "out", cwd=tmp_path)
+    assert r.returncode == 2 and f"{script}: error: {message}" in r.stderr and "Traceback" not in r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["corrupt.npz", "run.pt"]
+
+
+TINY_STEP = ["--steps", "1", "--repeats", "1", "--set", "widths=(8,8,8)", "--set", "batch_size=20",
+             "--set", "precision=fp32"]
+
+
+@pytest.mark.parametrize("script, args", [
+    ("bench_ddp.py", ["--warmup", "0"]),
+    ("bench_allocator.py", ["--allocators", "glibc"]),
+])
+@pytest.mark.parametrize("out, message", [
+    ("blocker/x.jsonl", "--out blocker/x.jsonl: its folder blocker: cannot write"),
+    (".", "--out . is a folder"),
+])
+def test_an_unwritable_out_file_exits_2_before_anything_is_timed(tmp_path, script, args, out, message):
+    """Found when the options are read, not at the append after the timing, whose measurement was then lost."""
+    (tmp_path / "blocker").write_text("a file where --out wants a folder")
+    r = bench(script, *TINY_STEP, *args, "--out", out, cwd=tmp_path)
+    assert r.returncode == 2 and f"{script}: error: {message}" in r.stderr and "Traceback" not in r.stderr
+    assert "img/s" not in r.stdout and os.listdir(tmp_path) == ["blocker"]
+
+
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="bench_ddp.py runs on the GPU where there is one")
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("bench_presets.py", ["--presets", "resnet9-tricks", "--device", "cpu", "--steps", "1", "--repeats", "1",
+                          "--set", "batch_size=100", "--set", "widths=(8,8,8,8)"],
+     "resnet9-tricks: per-process batch 100 is not divisible into BN groups of 32"),
+    ("bench_presets.py", ["--presets", "fast94", "--device", "cpu", *TINY_STEP, "--set", "precision=fp16"],
+     "fast94: fp16 is for CUDA GPUs"),
+    ("bench_presets.py", ["--flops-only", "--presets", "fast94", "--set", "batch_size=60000"],
+     "fast94: batch size 60000 exceeds the 50000 training images"),
+    ("bench_presets.py", ["--flops-only", "--presets", "fast96", "--set", "batch_size=30000"],
+     "fast96: batch size 60000 (candidates for selection) exceeds the 50000 training images"),
+    ("bench_ddp.py", [*TINY_STEP, "--warmup", "0", "--set", "batch_size=50001"],
+     "batch size 50001 exceeds the 50000 training images"),
+    ("bench_ddp.py", [*TINY_STEP, "--warmup", "0", "--set", "bn_group_size=16"],
+     "per-process batch 20 is not divisible into BN groups of 16"),
+    pytest.param("bench_ddp.py", [*TINY_STEP, "--warmup", "0", "--set", "precision=fp16"], "fp16 is for CUDA GPUs",
+                 marks=CPU_ONLY),
+])
+def test_options_train_would_refuse_exit_2_before_anything_is_timed(tmp_path, script, args, message):
+    """The checks train() makes before a run (the batch fits the training images, ghost-BN groups divide it, the
+    device runs the precision); each ended in a traceback from inside the timing."""
+    log_option = ["--out", ""] if script == "bench_ddp.py" else ["--log-dir", ""]
+    r = bench(script, *args, *log_option, cwd=tmp_path)
+    assert r.returncode == 2 and f"{script}: error: {message}" in r.stderr and "Traceback" not in r.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_batch_of_every_training_image_is_timed(monkeypatch, capsys):
+    """A batch as large as the data set is what train() allows; its batches' start offsets divided by zero."""
+    tiny = dict(widths=(8, 8, 8), batch_size=64, precision="fp32", epochs=1)
+    monkeypatch.setattr(bench_presets, "N_TRAIN", 64)
+    r = bench_presets.measure("fast94", torch.device("cpu"), steps=2, repeats=1, overrides=tiny)
+    assert r["losses_finite"] and r["img_per_s"][0] > 0
+    monkeypatch.setattr(bench_ddp, "N_TRAIN", 64)
+    monkeypatch.setattr(sys, "argv", ["bench_ddp.py", "--steps", "2", "--repeats", "1", "--warmup", "0", "--out", "",
+                                      *(f"--set={k}={v}".replace(" ", "") for k, v in tiny.items())])
+    bench_ddp.main()
+    assert "img/s" in capsys.readouterr().out
+
+
+def test_augment_refuses_more_images_a_repeat_than_the_data_holds(tmp_path):
+    """Slices past the end of a small data set are empty, yet were counted: 200 images gave 523k img/s."""
+    np.savez(tmp_path / "tiny.npz", **synthetic(n_train=200, n_test=10))
+    r = bench("bench_augment.py", "--data", "tiny.npz", "--batch", "100", "--batches", "40", "--repeats", "1",
+              "--log-dir", "out", cwd=tmp_path)
+    assert r.returncode == 2 and "--batch 100 x --batches 40 = 4000 images a repeat, more than the 200 training " \
+                                 "images in tiny.npz" in r.stderr
+    assert os.listdir(tmp_path) == ["tiny.npz"]

@@ -412,3 +412,43 @@ def test_plot_joins_folders_of_one_study_into_one_curve(tmp_path, capsys):
     sbs.main(["plot", str(out), str(more), "--out", str(tmp_path / "plots")])
     printed = capsys.readouterr().out
     assert f"{out} + {more}: cpu/sgd" in printed and "6 trials" in printed
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--evals-per-trial", "0"], "--evals-per-trial must be at least 1, got 0"),  # divided by zero
+    (["--evals-per-trial", "-2"], "--evals-per-trial must be at least 1, got -2"),  # evaluated every step
+    (["--min-steps", "-5"], "--min-steps must be >= 0, got -5"),
+    (["--lr-range", "0", "1"], "--lr-range needs 0 < LO <= HI, both finite, got 0 1"),  # "math domain error"
+    (["--lr-range", "-1", "1"], "--lr-range needs 0 < LO <= HI"),
+    (["--lr-range", "5", "1"], "--lr-range needs 0 < LO <= HI"),  # was searched as if 1 5
+    (["--lr-window-exponent", "1e6"], "--lr-window-exponent 1e+06 puts the LR window at batch 16 out of"),
+    (["--batch-sizes", "16", "2048", "--lr-window-exponent", "1e6"], "--lr-window-exponent 1e+06 puts"),  # overflow
+    (["--epochs", "-1"], "--epochs must be positive and finite, got -1.0"),  # silently min-steps
+    (["--train-subset", "-10"], "--train-subset must be >= 0 (0: all), got -10"),
+    (["--train-subset", "100"], "-4900 training images (--train-subset 100 less a holdout of 5000) are too few for "
+                                "batch sizes up to 32"),  # planned "budget 200 steps (-0.64 epochs)"
+    (["--holdout", "0"], "--holdout must be at least 1 with --eval holdout, got 0"),  # judged on the test set
+    (["--batch-sizes", "16", "40", "--set", "bn_group_size=16"], "batch 40 is not divisible into BN groups of 16"),
+])
+def test_impossible_run_options_are_usage_errors_naming_the_option(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as e:
+        sbs.main(["run", "--dry-run", "--batch-sizes", "16", "32", "--trials", "2", "--out", str(tmp_path / "out"),
+                  *args])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch-sizes", "16", "40", "--set", "bn_group_size=16"], "batch 40 is not divisible into BN groups of 16"),
+    (["--batch-sizes", "20", "40", "--set", "precision=fp16"], "fp16 is for CUDA GPUs"),
+])
+def test_trials_train_would_refuse_are_errors_before_the_first_trial(tmp_path, capsys, args, message):
+    """The first trial (batch 16, or any in fp16 on a CPU) used to run or start, then a traceback."""
+    npz, out = tmp_path / "tiny.npz", tmp_path / "study"
+    np.savez(npz, **synthetic(n_train=200, n_test=20))
+    with pytest.raises(SystemExit) as e:
+        sbs.main(["run", "--optimizer", "sgd", "--data", str(npz), "--device", "cpu", "--trials", "1", "--eval", "test",
+                  "--epochs", "1", "--min-steps", "2", "--evals-per-trial", "1", "--target", "0.01",
+                  "--set", "widths=(8,16,16)", "--out", str(out), *args])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not out.exists() or not os.listdir(out)

@@ -2,6 +2,7 @@
 end-to-end study on synthetic data run twice (the second run resumes and trains nothing)."""
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -92,6 +93,8 @@ def test_tiny_study_writes_everything_and_resumes(tmp_path, capsys):
     (["--target", "2"], "target must be in (0, 1], got 2.0"),
     (["--factors", "2", "inf"], "echo-factor must be finite, got inf"),
     (["--set", "epochs=inf"], "epochs takes a number, got 'inf'"),
+    (["--train-subset", "-10"], "--train-subset must be >= 0 (0: all)"),  # trained on all but 10 images
+    (["--r-batches", "0"], "--r-batches >= 1"),  # divided by zero
 ])
 def test_options_that_would_fail_a_run_are_usage_errors_before_any_run(tmp_path, capsys, args, message):
     """Every planned run's options pass train_cifar's checks before data or output are touched (a target of 2
@@ -100,3 +103,41 @@ def test_options_that_would_fail_a_run_are_usage_errors_before_any_run(tmp_path,
         study.main(args + ["--data", "/nonexistent.npz", "--out", str(tmp_path / "out")])
     assert e.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--set", "seed=3"], "--set seed: the study sets this itself for every run (see --seed0)"),
+    (["--set", "runs=2", "--set", "stop_at_target=False"], "--set runs, stop_at_target: the study sets these itself "
+                                                           "for every run (see --seeds)"),
+    (["--set", "pipeline=loader"], "--set pipeline: the study sets this itself for every run (see --pipeline)"),
+    (["--set", "echo=batch", "--set", "echo_factor=3"], "--set echo, echo_factor: the study sets these itself for "
+                                                        "every run (see --factors, --modes)"),
+])
+def test_options_the_study_sets_itself_are_usage_errors(tmp_path, capsys, args, message):
+    """--set seed=3 failed every run with a TypeError (train() got seed twice) after R was measured; --set echo
+    was silently replaced by --modes."""
+    with pytest.raises(SystemExit) as e:
+        study.main(args + ["--data", "/nonexistent.npz", "--out", str(tmp_path / "out")])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "batch size 512 exceeds the 200 training images"),
+    (["--set", "batch_size=50", "--train-subset", "40"], "batch size 50 exceeds the 40 training images"),
+    (["--set", "batch_size=50", "--set", "holdout=160"],
+     "batch size 50 exceeds the 40 training images left by holdout 160"),
+    (["--set", "batch_size=50", "--set", "bn_group_size=16"], "batch 50 is not divisible into BN groups of 16"),
+    (["--set", "batch_size=50", "--set", "precision=fp16"], "fp16 is for CUDA GPUs"),
+])
+def test_runs_train_would_refuse_are_errors_before_r_is_measured(tmp_path, capsys, args, message):
+    """What train() checks with the data in hand, checked before R is measured (that was measured, r.json
+    written, and then the first run failed with a traceback)."""
+    data = str(tmp_path / "tiny.npz")
+    np.savez(data, **synthetic(n_train=200, n_test=50))
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        study.main(["--data", data, "--out", str(out), "--device", "cpu", "--seeds", "1", "--factors", "1", "2",
+                    "--modes", "batch", "--r-batches", "2", "--set", "widths=(8,8,8)", "--set", "epochs=1", *args])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert os.listdir(out) == []
