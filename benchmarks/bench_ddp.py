@@ -43,6 +43,9 @@ def main():
         cfg = train_cifar.make_config(a.preset, **core.parse_overrides(a.set))
         train_cifar.check_runnable(cfg, N_TRAIN, tb.default_device(),
                                    int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ else 1)
+        if cfg["select_fraction"] < 1:  # its steps would be timed without the selection
+            raise ValueError("this times plain data-parallel steps, without data selection: time a preset with "
+                             "select-fraction below 1 with bench_presets.py, or --set select_fraction=1")
         if a.out:
             core.writable_file(a.out, "--out")
     except ValueError as e:
@@ -57,7 +60,11 @@ def main():
     torch.manual_seed(0)  # the same initial weights on every rank, as DDP expects
     model = train_cifar.build_model(cfg, device)
     opt = train_cifar.make_optimizer(cfg, model)
-    step_fn = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    if cfg["bn_group_size"]:  # the net as a run builds it: ghost BN, synchronised BN, the all-reduce hook
+        parallel.convert_bn(model, cfg["bn_group_size"])
+    if world > 1 and cfg["sync_bn_group_size"]:
+        parallel.convert_sync_bn(model, parallel.bn_process_groups(world, cfg["sync_bn_group_size"]))
+    step_fn = train_cifar.make_step_fn(cfg, model, world)
     aug = tb.draw_augmentation(N_TRAIN, pad, cfg["cutout"], cfg["flip"] != "none", gen, device)
     sync = tb.synchronizer(device)
 

@@ -105,6 +105,8 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="bench_ddp.py ru
      "per-process batch 20 is not divisible into BN groups of 16"),
     pytest.param("bench_ddp.py", [*TINY_STEP, "--warmup", "0", "--set", "precision=fp16"], "fp16 is for CUDA GPUs",
                  marks=CPU_ONLY),
+    ("bench_ddp.py", [*TINY_STEP, "--warmup", "0", "--set", "select_fraction=0.5"],
+     "this times plain data-parallel steps, without data selection"),
 ])
 def test_options_train_would_refuse_exit_2_before_anything_is_timed(tmp_path, script, args, message):
     """The checks train() makes before a run (the batch fits the training images, ghost-BN groups divide it, the
@@ -136,3 +138,16 @@ def test_augment_refuses_more_images_a_repeat_than_the_data_holds(tmp_path):
     assert r.returncode == 2 and "--batch 100 x --batches 40 = 4000 images a repeat, more than the 200 training " \
                                  "images in tiny.npz" in r.stderr
     assert os.listdir(tmp_path) == ["tiny.npz"]
+
+
+def test_bench_ddp_times_the_net_a_run_builds(monkeypatch, capsys):
+    """Ghost BN (resnet9-tricks') was left out, so such a preset was timed as another net."""
+    import parallel
+    groups, convert = [], parallel.convert_bn
+    monkeypatch.setattr(parallel, "convert_bn", lambda model, g: (groups.append(g), convert(model, g))[1])
+    monkeypatch.setattr(bench_ddp, "N_TRAIN", 64)
+    monkeypatch.setattr(sys, "argv", ["bench_ddp.py", "--steps", "1", "--repeats", "1", "--warmup", "0", "--out", "",
+                                      "--set=widths=(8,8,8)", "--set=batch_size=20", "--set=precision=fp32",
+                                      "--set=bn_group_size=10"])
+    bench_ddp.main()
+    assert groups == [10] and "img/s" in capsys.readouterr().out
