@@ -345,6 +345,8 @@ def check_config(cfg):
     need(cfg["cpu_conv"] in tb.CPU_CONV_MODES, f"cpu-conv must be one of {', '.join(tb.CPU_CONV_MODES)}")
     need(cfg["echo"] in pipeline.ECHO_MODES, f"echo must be one of {', '.join(pipeline.ECHO_MODES)}")
     need(cfg["echo_factor"] >= 1 and cfg["echo_shuffle_buffer"] >= 0, "need echo-factor >= 1, echo-shuffle-buffer >= 0")
+    need(cfg["echo"] != "none" or cfg["echo_factor"] == 1,  # (else it silently echoes nothing)
+         f"echo-factor {cfg['echo_factor']:g} needs an --echo mode ({', '.join(pipeline.ECHO_MODES[1:])})")
     need(cfg["eval_every_steps"] >= 0 and 0 <= cfg["holdout"] < 50000, "need eval-every-steps >= 0, 0 <= holdout < 50000")
     need(all(int(v) == v and MIN_TRAIN_SIZE <= v <= IMAGE_SIZE for v in cfg["train_sizes"]),
          f"train-sizes must be whole numbers of pixels in {MIN_TRAIN_SIZE}..{IMAGE_SIZE}")
