@@ -314,6 +314,8 @@ def check_config(cfg):
          f"batch size must be a positive integer, got {cfg['batch_size']}")
     need(0 < cfg["target"] <= 1, f"target must be in (0, 1], got {cfg['target']}")
     need(cfg["runs"] >= 1, f"runs must be at least 1, got {cfg['runs']}")
+    need(-2 ** 63 <= cfg["seed"] and cfg["seed"] + cfg["runs"] - 1 < 2 ** 64,  # what torch's generators take
+         f"seeds must lie in [-2^63, 2^64), got {cfg['seed']}" + (f" + {cfg['runs'] - 1}" if cfg["runs"] > 1 else ""))
     need(len(cfg["lr_knots"]) == len(cfg["lr_values"]) >= 1, "lr-knots and lr-values need the same length")
     need(all(b >= a for a, b in zip(cfg["lr_knots"], cfg["lr_knots"][1:])), "lr-knots must be non-decreasing")
     need(all(math.isfinite(v) and v >= 0 for v in cfg["lr_values"]), "lr-values must be finite and >= 0")

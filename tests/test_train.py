@@ -56,6 +56,7 @@ def tiny_npz(tmp_path, tiny):
     (["--sync-check", "true", "--device", "cpu"], "sync-check is for CUDA devices"),
     (["--holdout", "200"], "holdout 200 leaves none of the 200 training images"),
     (["--echo-factor", "3"], "echo-factor 3 needs an --echo mode"),
+    (["--seed", str(2 ** 64 - 1), "--runs", "2"], "seeds must lie in [-2^63, 2^64)"),
     (["--holdout", "100", "--batch-size", "150"], "exceeds the 100 training images left by holdout 100"),
     (["--device", "meta"], "run on cpu or cuda devices only"),
     (["--log-dir", "/dev/null/logs"], "log-dir /dev/null/logs: cannot write there (Not a directory)"),
