@@ -17,26 +17,31 @@
 # COMPILE_MODE: torch.compile's mode (train_cifar's --compile-mode); EXTRAS=1 adds the GPU runs of the closed
 # issues' presets if time is left.
 # GIT_COMMIT names the commit in the logs where the tree has no .git. Then: tar -xzf gpu-logs.tar.gz -C logs/
+# DRY_RUN=FILE writes each step's command to FILE, one per line, instead of running anything (tests/test_gpu_session.py
+# checks them on a CPU, so that a lease is not spent on a misspelt option).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder that comes back}"
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor  # kept on the machine between calls
-LOGS=$(mktemp -d)
+LOGS=$([ -n "${DRY_RUN:-}" ] && echo /tmp/gpu-session-dry-run || mktemp -d)
 REPORT="$OUT/gpu-session.txt"
 
 step() {  # step NAME SECONDS COMMAND...: run (killed after SECONDS), keep its output, pack the logs so far
     local name=$1 limit=$2; shift 2
+    if [ -n "${DRY_RUN:-}" ]; then printf '%q ' "$@" >> "$DRY_RUN"; echo >> "$DRY_RUN"; return; fi
     echo "=== $name: $* ($(date -u +%H:%M:%S))" | tee -a "$REPORT"
     timeout "$limit" "$@" 2>&1 | tee -a "$REPORT"
     echo "=== $name: exit ${PIPESTATUS[0]} ($(date -u +%H:%M:%S))" | tee -a "$REPORT"
     tar -czf "$OUT/gpu-logs.tar.gz" -C "$LOGS" .
 }
 
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee -a "$REPORT"
-python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$REPORT"
+[ -n "${DRY_RUN:-}" ] || nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv \
+    | tee -a "$REPORT"
+[ -n "${DRY_RUN:-}" ] || python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" \
+    | tee -a "$REPORT"
 
 if [ "${1:-}" = smoke ]; then
-    python - <<'EOF'
+    [ -n "${DRY_RUN:-}" ] || python - <<'EOF'
 import numpy as np
 rng = np.random.default_rng(0)
 np.savez("/tmp/random-cifar.npz", train_x=rng.integers(0, 256, (50000, 32, 32, 3), dtype=np.uint8),
