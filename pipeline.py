@@ -113,12 +113,21 @@ class BatchStream:
         if self.buffer:
             order = shuffle_buffer_order(len(items), self.buffer, gen).to(self.device)
             items, aug_ids = items[order], aug_ids[order]
-        draws = tb.draw_augmentation(int(aug_ids.max()) + 1, cfg["pad"], cfg["cutout"], cfg["flip"] == "random",
+        draws = tb.draw_augmentation(self._augmentations(items), cfg["pad"], cfg["cutout"], cfg["flip"] == "random",
                                      gen, self.device)
         self.aug = {k: v[aug_ids] for k, v in draws.items()}
         if cfg["flip"] == "alternate":  # each image's flip is random once, then alternates every pass
             self.aug["flip"] = self.base_flip[items] ^ bool((self.passes - 1) % 2)
         self.items, self.first_cum, self.pos = items, torch.cumsum(first.long(), 0), 0
+
+    def _augmentations(self, items):
+        """How many augmentations a pass draws (its aug_ids' max + 1), known on the host: reading the max from
+        the device would make every pass's first step wait for the GPU."""
+        if self.mode == "none" or self.factor == 1 or self.mode == "example-after-aug":
+            return self.n
+        if self.mode == "batch":
+            return self.n // self.cfg["batch_size"] * self.cfg["batch_size"]
+        return len(items)  # example-before-aug: one per copy
 
     def next_indices(self):
         """The next global batch as (example indices, augmentation parameters)."""

@@ -31,5 +31,6 @@ def test_the_check_catches_a_step_that_reads_on_the_host(monkeypatch):
         loss.item()
         return out, loss
     monkeypatch.setattr(train_cifar, "train_step", reading_step)
-    with pytest.raises(RuntimeError, match="synchroniz"):
+    with pytest.raises(RuntimeError, match="synchroniz") as caught:
         train_cifar.train("fast94", **SMALL, widths=(8, 16, 16))
+    assert any(entry.name == "reading_step" for entry in caught.traceback)  # that read, not another

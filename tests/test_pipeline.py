@@ -122,3 +122,19 @@ def test_stream_state_round_trip():
         (ia, aa), (ib, ab) = a.next_indices(), b.next_indices()
         assert (ia == ib).all() and all((aa[k] == ab[k]).all() for k in aa)
     assert a.fresh_read == b.fresh_read
+
+
+@pytest.mark.parametrize("mode", pipeline.ECHO_MODES)
+@pytest.mark.parametrize("factor", [1, 2, 2.5])
+@pytest.mark.parametrize("n, batch_size", [(100, 20), (97, 10)])
+def test_a_pass_draws_its_augmentations_without_reading_the_device(mode, factor, n, batch_size):
+    """The count of augmentations a pass draws, known on the host (reading aug_ids.max() from a GPU made the first
+    step of every pass wait, which --sync-check refuses), is the count that was read: the random streams, and so
+    every run, stay as they were."""
+    cfg = dict(batch_size=batch_size, pad=2, cutout=0, flip="random", echo=mode, echo_factor=factor,
+               echo_shuffle_buffer=0)
+    data = dict(train_x=torch.zeros(n, 36, 36, 3), train_y=torch.zeros(n, dtype=torch.long))
+    stream = pipeline.BatchStream(data, cfg, torch.Generator().manual_seed(0), torch.device("cpu"))
+    gen = torch.Generator().manual_seed(1)
+    items, aug_ids, _ = pipeline.echo_pass(torch.randperm(n, generator=gen), mode, factor, batch_size, gen)
+    assert stream._augmentations(items) == int(aug_ids.max()) + 1
