@@ -313,7 +313,7 @@ def writable_folder(path, what):
     trace, creating nothing); else a ValueError naming `what` (the option). Checked before a run starts, so a
     long run never ends on a log it cannot write."""
     existing = os.path.abspath(path)
-    while not os.path.exists(existing):
+    while not os.path.lexists(existing):  # (a dangling link exists, and is no folder)
         existing = os.path.dirname(existing)
     try:
         if not os.path.isdir(existing):

@@ -775,12 +775,13 @@ def load_checkpoint(path, device):
 
 
 def data_fingerprint(data):
-    """Sizes and exact integer checksums of the run's data as on the device (each image's bits summed, weighted
-    by its position; the labels likewise): a checkpoint must not resume on other data, or the same in another
-    order (its example indices, loss history and stream position would then point elsewhere)."""
+    """Sizes and integer checksums of the run's data as on the device (each image's bits summed, weighted by its
+    position; the labels likewise; in int64, which fp32 bits can wrap around: the same number for the same data
+    on any machine): a checkpoint must not resume on other data, or the same in another order (its example
+    indices, loss history and stream position would then point elsewhere)."""
     def checksum(t):
         ints = t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-        per_row = ints.reshape(len(ints), -1).sum(1)  # (integer sums accumulate in int64: exact)
+        per_row = ints.reshape(len(ints), -1).sum(1)  # (integer sums accumulate in int64)
         return int((per_row * torch.arange(1, len(per_row) + 1, device=per_row.device)).sum())
     return {k: [len(data[k]), checksum(data[k])] for k in ("train_x", "train_y", "test_x", "test_y")}
 
@@ -791,10 +792,6 @@ def checkpoint_mismatch(state, cfg, seed, precision, fingerprint=None):
     the option as given); the data by data_fingerprint (where both have one)."""
     if state["seed"] != seed:
         return f"holds seed {state['seed']}, not {seed}; remove it or pass another --checkpoint"
-    if fingerprint and state.get("data") and state["data"] != fingerprint:
-        differ = [k for k in fingerprint if state["data"].get(k) != fingerprint[k]]
-        return (f"was trained on other data ({', '.join(differ)} differ: {state['data']['train_x'][0]} training "
-                f"images there, {fingerprint['train_x'][0]} here); pass the --data it ran on")
     if "precision" in state:
         if state["precision"] != precision:
             return f"trained in {state['precision']}; pass --precision {state['precision']} to continue it"
@@ -811,6 +808,11 @@ def checkpoint_mismatch(state, cfg, seed, precision, fingerprint=None):
     if differ:
         return (f"belongs to another configuration (differs in {', '.join(differ)}); "
                 "remove it or pass another --checkpoint")
+    # last: the data as on the device also differs with the precision, the padding and the holdout
+    if fingerprint and state.get("data") and state["data"] != fingerprint:
+        differ = [k for k in fingerprint if state["data"].get(k) != fingerprint[k]]
+        return (f"was trained on other data ({', '.join(differ)} differ: {state['data']['train_x'][0]} training "
+                f"images there, {fingerprint['train_x'][0]} here); pass the --data it ran on")
     return None
 
 
@@ -1106,8 +1108,13 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
     Under torchrun every process calls this; only rank 0 prints and writes logs."""
     cfg = make_config(preset, **overrides)
     cfg["cpu_conv"] = tb.resolve_cpu_conv(cfg["cpu_conv"])  # the log says which kernels ran
-    # Before joining the process group: a bad combination then fails each rank on its own, none waits for another.
+    # Before joining the process group, on every rank: a bad combination, or a log folder that cannot be written
+    # (no run may end on a log it cannot write), then fails each rank on its own; none waits for another.
     check_distributed(cfg, int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ else 1)
+    if log_dir:
+        core.writable_folder(log_dir, "log-dir")
+    if checkpoint:
+        os.makedirs(core.writable_folder(os.path.dirname(checkpoint) or ".", "checkpoint's folder"), exist_ok=True)
     rank, world, local_rank = parallel.init_distributed()
     if checkpoint and world > 1:
         raise ValueError("--checkpoint is for single-process runs")
@@ -1121,10 +1128,6 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
     precision = tb.resolve_precision(cfg["precision"], device)
     if cfg["sync_check"] and device.type != "cuda":
         raise ValueError(f"sync-check is for CUDA devices (torch checks host synchronisation there), not {device}")
-    if log_dir:  # before anything runs: a run must not end on a file it cannot write
-        core.writable_folder(log_dir, "log-dir")
-    if checkpoint:
-        os.makedirs(core.writable_folder(os.path.dirname(checkpoint) or ".", "checkpoint's folder"), exist_ok=True)
     if data is None:
         data = tb.load_cifar10(data_path or default_data_path())
     data = tb.validate(dict(data), "data")

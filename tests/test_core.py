@@ -254,3 +254,6 @@ def test_writable_folder_checks_without_creating_anything(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match=r"--out .*file/logs: cannot write there \(Not a directory\)"):
         core.writable_folder(str(tmp_path / "file" / "logs"), "--out")
+    os.symlink(tmp_path / "gone", tmp_path / "dangling")  # a link to nothing: makedirs would fail on it later
+    with pytest.raises(ValueError, match="dangling/logs: cannot write there"):
+        core.writable_folder(str(tmp_path / "dangling" / "logs"), "--out")

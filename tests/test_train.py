@@ -387,6 +387,10 @@ def test_a_checkpoint_does_not_resume_on_other_data(tmp_path):
         with pytest.raises(ValueError, match=f"was trained on other data .*{differ}"):
             train_cifar.run_once(dict(cfg, stop_after_epochs=2), on_device(other), 0, 7, dev, "fp32",
                                  log=lambda *a: None, checkpoint=ckpt)
+    with pytest.raises(ValueError, match=r"differs in pad"):  # the configuration is named first, not the data
+        padded = dict(cfg, stop_after_epochs=2, pad=cfg["pad"] + 1)
+        train_cifar.run_once(padded, tb.to_device(tb.validate(data, "tiny"), dev, torch.float32, pad=padded["pad"]),
+                             0, 7, dev, "fp32", log=lambda *a: None, checkpoint=ckpt)
     resumed = train_cifar.run_once(dict(cfg, stop_after_epochs=2), on_device(data), 0, 7, dev, "fp32",
                                    log=lambda *a: None, checkpoint=ckpt)
     assert len(resumed["epochs"]) == 2
