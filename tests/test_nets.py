@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -88,6 +89,32 @@ def test_tta_weights_and_views():
     model = Mean()
     torch.testing.assert_close(tb.predict(model, x, "fp32", torch.device("cpu"), tta=1),
                                tb.predict(model, x, "fp32", torch.device("cpu"), tta=0))
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_tta_averages_the_mirrored_and_shifted_views_image_by_image(level):
+    """Against a per-image loop in numpy on a net that no flip or shift leaves alone (a linear map): level 1
+    averages the image and its left-right mirror; level 2 gives those 1/4 each and 1/8 each to the mirrored pairs
+    moved one pixel down-right and up-left, the uncovered border reflected (the test-time form of the crops)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 10)).double()
+    x = torch.randn(5, 3, 32, 32, dtype=torch.float64)
+    got = tb.predict(model, x, "fp32", torch.device("cpu"), tta=level)
+    weight, bias = model[1].weight.detach().numpy(), model[1].bias.detach().numpy()
+
+    def logits(img):
+        return weight @ img.reshape(-1) + bias
+
+    def moved(img, dy, dx):  # content dy down, dx right; out[i, j] = img[i - dy, j - dx], reflected at the border
+        padded = np.pad(img, ((0, 0), (1, 1), (1, 1)), mode="reflect")
+        return padded[:, 1 - dy:33 - dy, 1 - dx:33 - dx]
+    for i, img in enumerate(x.numpy()):
+        pair = [(img, img[:, :, ::-1])]
+        if level == 2:
+            pair += [(moved(img, d, d), moved(img, d, d)[:, :, ::-1]) for d in (1, -1)]
+        weights = [0.5] if level == 1 else [0.25, 0.125, 0.125]
+        want = sum(w * (logits(a) + logits(b)) for w, (a, b) in zip(weights, pair))
+        np.testing.assert_allclose(got[i].numpy(), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("level", [1, 2])

@@ -811,3 +811,112 @@ def test_a_reader_that_leaves_early_ends_the_run_without_a_traceback(tiny_npz):
     p.stdout.close()  # before the script has written anything
     err = p.stderr.read()
     assert p.wait() == 1 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+# --- Mechanics a recipe rests on, each against an independent statement of it (review of 2026-12-05: each of
+# these could be broken without any test failing).
+
+TINY_FAST = dict(widths=(8, 16, 16), batch_size=50, precision="fp32", train_sizes=(), tta=0, log_dir=None,
+                 log=lambda *a: None, progress=False)
+
+
+def recorded_steps(monkeypatch, record):
+    """train_step, calling record(cfg, model, opt) before each step."""
+    step = train_cifar.train_step
+
+    def recording(cfg, step_fn, opt, *args, **kwargs):
+        record(cfg, step_fn, opt)
+        return step(cfg, step_fn, opt, *args, **kwargs)
+    monkeypatch.setattr(train_cifar, "train_step", recording)
+
+
+@pytest.mark.parametrize("preset, scale_of", [
+    # fast94: Muon filters at 0.15x, BN biases and the whitening bias at 64x, the head at 1x
+    ("fast94", lambda name, p: 0.15 if p.ndim == 4 else 64.0 if p.ndim == 1 and "head" not in name else 1.0),
+    # fast95: SGD, BN biases at 64x; its whitening bias at the plain LR (whiten_bias_fast False, as airbench95)
+    ("fast95", lambda name, p: 64.0 if p.ndim == 1 and not name.startswith(("whiten", "head")) else 1.0),
+])
+def test_every_parameter_trains_at_its_share_of_the_scheduled_lr(monkeypatch, tiny, preset, scale_of):
+    """The LR each parameter steps with, against the schedule written out: linear from the knots' values at
+    each step's fraction of an epoch, times the share its kind takes."""
+    seen = []
+
+    def record(cfg, model, opt):
+        lr_of = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+        seen.append({n: (lr_of[id(p)], scale_of(n, p)) for n, p in model.named_parameters() if p.requires_grad})
+    recorded_steps(monkeypatch, record)
+    run = train_cifar.train(preset, data=tiny, epochs=2, lookahead_start_epoch=-1, whiten_bias_epochs=0,
+                            **TINY_FAST)["runs"][0]
+    knots, values = train_cifar.make_config(preset, epochs=2)["lr_knots"], train_cifar.PRESETS[preset]["lr_values"]
+    per_epoch = 200 // 50
+    assert len(seen) == 2 * per_epoch and run["accuracy"] is not None
+    for step, lrs in enumerate(seen):
+        scheduled = float(np.interp(step / per_epoch, knots, values))
+        for name, (lr, scale) in lrs.items():
+            assert lr == pytest.approx(scheduled * scale, rel=1e-12), (step, name)
+
+
+def test_the_whitening_bias_trains_for_its_epochs_and_is_then_frozen(monkeypatch, tiny):
+    biases = []
+    recorded_steps(monkeypatch, lambda cfg, model, opt: biases.append(model.whiten.bias.detach().clone()))
+    train_cifar.train("fast94", data=tiny, epochs=3, whiten_bias_epochs=1, **TINY_FAST)
+    per_epoch = 200 // 50
+    assert len(biases) == 3 * per_epoch
+    assert all(not torch.equal(a, b) for a, b in zip(biases[:per_epoch], biases[1:per_epoch + 1]))  # epoch 1 moves
+    assert all(torch.equal(b, biases[per_epoch]) for b in biases[per_epoch:])  # then it stays
+
+
+def test_lookahead_pulls_with_airbenchs_decay_schedule(monkeypatch, tiny):
+    """Every 5 steps from the first, decay 0.95^5 x (step / total)^3; at the end the average is copied in whole
+    (lookahead_sync end, fast95's). 3 epochs of 4 steps: the average starts at step 5, pulls at 10, ends at 12."""
+    decays = []
+    update = train_cifar.Lookahead.update
+    monkeypatch.setattr(train_cifar.Lookahead, "update", lambda self, d: (decays.append(d), update(self, d))[1])
+    train_cifar.train("fast95", data=tiny, epochs=3, **TINY_FAST)
+    assert decays == pytest.approx([0.95 ** 5 * (10 / 12) ** 3, 1.0], rel=1e-12)
+
+
+def test_only_the_final_evaluation_counts_in_a_runs_time(monkeypatch, tiny):
+    """Per-epoch evaluations fill the table and are not the run's time; the final one (with its TTA) is. The
+    clock jumps 1000 s in every evaluation: three epochs evaluated, one jump counted."""
+    real_clock, jumped = time.perf_counter, [0.0]
+    evaluate = train_cifar.evaluate
+
+    def slow_evaluate(*args, **kwargs):
+        jumped[0] += 1000.0
+        return evaluate(*args, **kwargs)
+    monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + jumped[0])
+    monkeypatch.setattr(train_cifar, "evaluate", slow_evaluate)
+    run = train_cifar.train("fast94", data=tiny, epochs=3, eval_every=1, **TINY_FAST)["runs"][0]
+    assert jumped[0] == 3000.0 and 1000 <= run["total_time_s"] < 2000
+    assert [r["total_time"] < 1000 for r in run["epochs"]] == [True, True, False]
+
+
+def test_a_holdout_is_evaluated_on_the_held_out_training_images(monkeypatch, tiny):
+    labels = []
+    evaluate = train_cifar.evaluate
+    monkeypatch.setattr(train_cifar, "evaluate", lambda model, data, *a, **k: (
+        labels.append(data["test_y"].cpu().numpy()), evaluate(model, data, *a, **k))[1])
+    train_cifar.train("fast94", data=tiny, epochs=1, holdout=40, **TINY_FAST)
+    held = np.random.default_rng(0).permutation(200)[:40]
+    assert labels and all(np.array_equal(got, tiny["train_y"][held]) for got in labels)
+
+
+def test_the_training_loss_is_label_smoothed_cross_entropy():
+    """Against the formula in float64: (1 - e) x -log p(label) + e x mean over classes of -log p."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 10))
+    x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
+    for e in (0.0, 0.2):
+        cfg = dict(train_cifar.make_config("fast94"), label_smoothing=e)
+        _, loss = train_cifar.forward_loss(cfg, model, x, y, "fp32", torch.device("cpu"))
+        logp = torch.log_softmax(model(x).double(), 1)
+        want = ((1 - e) * -logp[torch.arange(16), y] + e * -logp.mean(1)).mean()
+        assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+
+
+def test_the_lars_option_builds_lars(tiny):
+    cfg = train_cifar.make_config("fast94-sgd", optimizer="lars", widths=(8, 16, 16))
+    import parallel
+    assert isinstance(train_cifar.make_optimizer(cfg, train_cifar.build_model(cfg, torch.device("cpu"))),
+                      parallel.LARS)
