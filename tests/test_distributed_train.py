@@ -152,3 +152,21 @@ def test_loss_history_selection_under_torchrun_equals_one_process(tiny_npz, tmp_
     assert a["train_steps"] == b["train_steps"] == 2 * (400 // 80)
     losses = [[e["train_loss"] for e in s["runs"][0]["epochs"]] for s in (a, b)]
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+
+
+@pytest.mark.parametrize("group", ["1", "2"])
+def test_hierarchical_all_reduce_trains_as_the_flat_one(tiny_npz, tmp_path, group):
+    """--allreduce hierarchical sums gradients within groups, then across the groups' leaders, then shares the
+    result: the same gradient as DDP's flat all-reduce, so the same training (to float rounding), whether the two
+    processes form two groups of one or one group of two. (The hook alone is tested in test_parallel.py.)"""
+    args = [*TINY, "--epochs", "1", "--data", tiny_npz]
+    flat = torchrun(2, *args, "--log-dir", str(tmp_path / "flat"))
+    assert flat.returncode == 0, why(flat)
+    tiered = torchrun(2, *args, "--log-dir", str(tmp_path / "tiered"), "--allreduce", "hierarchical",
+                      "--allreduce-group-size", group)
+    assert tiered.returncode == 0, why(tiered)
+    a, b = summary(tmp_path / "flat"), summary(tmp_path / "tiered")
+    assert b["config"]["allreduce"] == "hierarchical"
+    np.testing.assert_allclose([e["train_loss"] for e in b["runs"][0]["epochs"]],
+                               [e["train_loss"] for e in a["runs"][0]["epochs"]], rtol=1e-5)
+    assert b["runs"][0]["accuracy"] == pytest.approx(a["runs"][0]["accuracy"], abs=0.011)

@@ -920,3 +920,25 @@ def test_the_lars_option_builds_lars(tiny):
     import parallel
     assert isinstance(train_cifar.make_optimizer(cfg, train_cifar.build_model(cfg, torch.device("cpu"))),
                       parallel.LARS)
+
+
+def test_the_summary_pools_finished_runs_and_counts_those_that_reached_the_target():
+    """A diverged run is not pooled; time to target is averaged over the runs that reached it; the printed
+    line says the same numbers (statistics module as the reference)."""
+    import statistics
+    cfg = train_cifar.make_config("fast94")
+
+    def run(seed, acc, reached, total, ttt):
+        return dict(seed=seed, accuracy=acc, epoch_reached_target=reached, total_time_s=total, time_to_target_s=ttt,
+                    stopped_after_epoch=None)
+    results = [run(0, 0.9412, 10, 400.0, 390.0), run(1, 0.9391, None, 410.0, None), run(2, 0.9430, 9, 420.0, 380.0),
+               dict(run(3, None, None, None, None), diverged=True)]
+    s = train_cifar.summarise(cfg, results, "cpu", "bf16", 1e12, 250, 2.65e14, "abc")
+    assert s["runs_finished"] == 3 and s["runs_reaching_target"] == 2
+    assert s["accuracy_mean"] == pytest.approx(statistics.mean([0.9412, 0.9391, 0.9430]))
+    assert s["accuracy_std"] == pytest.approx(statistics.stdev([0.9412, 0.9391, 0.9430]))
+    assert s["total_time_mean_s"] == pytest.approx(410.0) and s["time_to_target_mean_s"] == pytest.approx(385.0)
+    said = []
+    train_cifar.print_summary(s, log=said.append)
+    assert "accuracy 94.11 ± 0.20% over 3 run(s); 2/3 reached 94.0%" in said[0]
+    assert said[1].startswith("time: 410.0 ± 10.0 s per run, to target 385.0 s; training FLOPs 0.265 PF per run")
