@@ -19,6 +19,7 @@ from torch.testing import assert_close
 
 import core
 import parallel
+import train_cifar
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = 4
@@ -325,6 +326,13 @@ def ddp_grads(rank, hook_state, bucket_sizes):
     return [p.grad.clone() for p in model.parameters()]
 
 
+def evaluation_problem():
+    """A net and a test set of 103 images (shards of 26, 26, 26 and 25 over four ranks) with varied predictions."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 10))
+    return model, dict(test_x=torch.randn(103, 3, 32, 32), test_y=torch.randint(0, 10, (103,)))
+
+
 def rank_main(rank, directory):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{directory}/store", rank=rank, world_size=WORLD)
@@ -339,6 +347,8 @@ def rank_main(rank, directory):
         results["ddp_flat"] = ddp_grads(rank, None, None)
         results["ddp_2d"] = ddp_grads(rank, state, results["bucket_sizes"])
         results["bf16_bucket"] = parallel.hierarchical_allreduce_hook(state, FakeBucket(bf16_gradients(rank))).wait()
+        model, data = evaluation_problem()
+        results["accuracy"] = train_cifar.evaluate(model, data, "fp32", torch.device("cpu"), 0, rank, WORLD)
         torch.save(results, os.path.join(directory, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -349,6 +359,16 @@ def rank_results(tmp_path_factory):
     directory = tmp_path_factory.mktemp("ranks")
     mp.spawn(rank_main, args=(str(directory),), nprocs=WORLD, join=True)
     return [torch.load(directory / f"rank{rank}.pt") for rank in range(WORLD)]
+
+
+def test_sharded_evaluation_scores_every_test_image_once(rank_results):
+    """Under torchrun each rank scores every world-th test image and the counts are summed: the accuracy every
+    rank reports is the single process's, exactly (an overlap or a gap between shards would move it)."""
+    model, data = evaluation_problem()
+    alone = train_cifar.evaluate(model, data, "fp32", torch.device("cpu"), 0)
+    per_image = (model(data["test_x"]).argmax(1) == data["test_y"]).sum().item() / 103
+    assert alone == pytest.approx(per_image, abs=1e-12) and 0.02 < alone < 0.98
+    assert all(r["accuracy"] == alone for r in rank_results)
 
 
 @pytest.mark.parametrize("key, group_size", [("bn_world", WORLD), ("bn_pairs", 2)])
