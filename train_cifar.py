@@ -1439,23 +1439,33 @@ def parse_args(argv):
     return p, p.parse_args(argv)
 
 
-def main(argv=None):
-    parser, args = parse_args(argv)
-    if hasattr(sys.stdout, "reconfigure"):  # each row as it comes, also into a file (nohup ... > run.log)
-        sys.stdout.reconfigure(line_buffering=True)
+def run_options(args):
+    """(preset, overrides, rerun) of parsed command-line options: the run's preset and every option given (with
+    --from-log, the log's config under them; --data among them); rerun is None, or --from-log's (log, the
+    log's options, the options it predates)."""
     overrides = {k: v for k, v in vars(args).items()
                  if k not in ("preset", "log_dir", "device", "checkpoint", "from_log") and v is not None}
     for k in ("lr_knots", "lr_values", "widths", "train_sizes"):
         if k in overrides:
             overrides[k] = tuple(overrides[k])
-    preset, logged = args.preset or DEFAULT_PRESET, None
+    if not args.from_log:
+        return args.preset or DEFAULT_PRESET, overrides, None
+    if args.preset:
+        raise ValueError("--from-log takes the preset its log names; leave --preset out")
+    preset, options, logged, predated = config_from_log(args.from_log)
+    return preset, dict(options, **overrides), (logged, options, predated)
+
+
+def main(argv=None):
+    parser, args = parse_args(argv)
+    if hasattr(sys.stdout, "reconfigure"):  # each row as it comes, also into a file (nohup ... > run.log)
+        sys.stdout.reconfigure(line_buffering=True)
+    logged = None
     rank0 = int(os.environ.get("RANK", 0)) == 0  # torchrun sets RANK; only rank 0 reports
     try:
-        if args.from_log:
-            if args.preset:
-                raise ValueError("--from-log takes the preset its log names; leave --preset out")
-            preset, options, logged, predated = config_from_log(args.from_log)
-            overrides = dict(options, **overrides)
+        preset, overrides, rerun = run_options(args)
+        if rerun:
+            logged, options, predated = rerun
             for line in describe_rerun(args.from_log, logged, preset, options, overrides, predated) if rank0 else []:
                 print(line)
         summary = train(preset, data_path=overrides.pop("data", None), device=args.device,

@@ -40,13 +40,10 @@ def on_cpu(args):
 def check_train_cifar(args):
     """What train_cifar.main does with these options up to the run: parse, take a log's config, make the config."""
     _, a = train_cifar.parse_args(on_cpu(args))
-    skip = ("preset", "log_dir", "device", "checkpoint", "from_log", "data")
-    overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in vars(a).items()
-                 if k not in skip and v is not None}
-    preset = a.preset or train_cifar.DEFAULT_PRESET
-    if a.from_log:
-        preset, options, _, _ = train_cifar.config_from_log(os.path.join(ROOT, a.from_log))
-        overrides = dict(options, **overrides)
+    if a.from_log:  # (the session runs in the repository's root)
+        a.from_log = os.path.join(ROOT, a.from_log)
+    preset, overrides, _ = train_cifar.run_options(a)
+    overrides.pop("data", None)
     cfg = train_cifar.make_config(preset, **overrides)
     assert all(cfg[k] == v for k, v in overrides.items()), "an option given did not reach the config"
     return cfg
