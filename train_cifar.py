@@ -1086,7 +1086,9 @@ def check_runnable(cfg, n_train, device=None, world=1):
     as a ValueError: for the studies and benchmarks, which build runs of their own, to refuse before any work."""
     check_distributed(cfg, world)
     if device is not None:
-        tb.resolve_precision(cfg["precision"], device)
+        precision = tb.resolve_precision(cfg["precision"], device)
+        if cfg["loss_scale"] != COMMON["loss_scale"] and precision != "fp16":  # (else silently no scaling)
+            raise ValueError(f"loss-scale {cfg['loss_scale']} is for fp16; this run is {precision}")
     if cfg["holdout"] >= n_train:
         raise ValueError(f"holdout {cfg['holdout']} leaves none of the {n_train} training images to train on")
     left = n_train - cfg["holdout"]

@@ -43,6 +43,8 @@ def tiny_npz(tmp_path, tiny):
     (["--tta-confidence", "1.5"], "tta-confidence must be in [0, 1]"),
     (["--cpu-conv", "winograd"], "cpu-conv must be one of auto, matmul, onednn"),
     (["--loss-scale", "-8"], "loss-scale must be batch, dynamic or a positive number"),
+    (["--loss-scale", "dynamic", "--precision", "bf16"], "loss-scale dynamic is for fp16; this run is bf16"),
+    (["--loss-scale", "64", "--precision", "fp32"], "loss-scale 64 is for fp16; this run is fp32"),
     (["--widths", "8", "16"], "net fastnet takes 3 channel counts"),
     (["--widths", "8", "0", "16"], "each at least 1, got (8, 0, 16)"),
     (["--preset", "resnet9", "--widths", "8", "16", "16"], "net resnet9 takes 4 channel counts"),
