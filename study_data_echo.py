@@ -366,6 +366,9 @@ def parse_args(argv):
             raise ValueError(f"--set {', '.join(taken)}: the study sets {'these' if len(taken) > 1 else 'this'} "
                              "itself for every run"
                              + (f" (see {', '.join(instead)})" if instead else ""))
+        twice = [k for k in ("target", "loader_workers") if k in args.overrides and getattr(args, k) is not None]
+        if twice:
+            raise ValueError(f"--set {twice[0]}= and --{twice[0].replace('_', '-')} both given; give it once")
         workload = WORKLOADS[args.workload]
         train_cifar.make_config(workload["preset"], **dict(workload["overrides"], **args.overrides))
         for mode, factor, _ in plan(args.modes, args.factors, [0]):  # every run's options, before any run
