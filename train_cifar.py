@@ -1450,12 +1450,18 @@ def run_options(args):
     for k in ("lr_knots", "lr_values", "widths", "train_sizes"):
         if k in overrides:
             overrides[k] = tuple(overrides[k])
-    if not args.from_log:
-        return args.preset or DEFAULT_PRESET, overrides, None
-    if args.preset:
-        raise ValueError("--from-log takes the preset its log names; leave --preset out")
-    preset, options, logged, predated = config_from_log(args.from_log)
-    return preset, dict(options, **overrides), (logged, options, predated)
+    rerun = None
+    if args.from_log:
+        if args.preset:
+            raise ValueError("--from-log takes the preset its log names; leave --preset out")
+        preset, options, logged, predated = config_from_log(args.from_log)
+        overrides, rerun = dict(options, **overrides), (logged, options, predated)
+    else:
+        preset = args.preset or DEFAULT_PRESET
+    # (only when given here: a preset's or a log's confidence beside --tta 0 is left alone)
+    if args.tta_confidence and not make_config(preset, **{k: v for k, v in overrides.items() if k != "data"})["tta"]:
+        raise ValueError("--tta-confidence picks the images for TTA's extra views; this run has --tta 0")
+    return preset, overrides, rerun
 
 
 def main(argv=None):

@@ -41,6 +41,7 @@ def tiny_npz(tmp_path, tiny):
     (["--batch-size", "500"], "exceeds the 200 training images"),
     (["--train-sizes", "12", "32"], "train-sizes must be whole numbers of pixels in 16..32"),
     (["--tta-confidence", "1.5"], "tta-confidence must be in [0, 1]"),
+    (["--tta-confidence", "0.5", "--tta", "0"], "--tta-confidence picks the images for TTA's extra views; this run"),
     (["--cpu-conv", "winograd"], "cpu-conv must be one of auto, matmul, onednn"),
     (["--loss-scale", "-8"], "loss-scale must be batch, dynamic or a positive number"),
     (["--loss-scale", "dynamic", "--precision", "bf16"], "loss-scale dynamic is for fp16; this run is bf16"),
