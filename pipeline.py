@@ -24,7 +24,9 @@ def echo_repeats(n, factor, generator, device=None):
     if factor < 1:
         raise ValueError(f"echo factor must be >= 1, got {factor}")
     base, frac = math.floor(factor), factor - math.floor(factor)
-    extra = torch.rand(n, generator=generator, device=device) < frac if frac else torch.zeros(n, dtype=torch.bool, device=device)
+    if not frac:
+        return torch.full((n,), base, dtype=torch.long, device=device)
+    extra = torch.rand(n, generator=generator, device=device) < frac
     return base + extra.long()
 
 
@@ -62,7 +64,8 @@ def echo_pass(fresh, mode, factor, batch_size, generator):
         return fresh, torch.arange(n, device=device), torch.ones(n, dtype=torch.bool, device=device)
     if mode == "batch":
         n_batches = n // batch_size  # whole batches only, so echoed batches stay whole downstream
-        order = torch.arange(n_batches, device=device).repeat_interleave(echo_repeats(n_batches, factor, generator, device))
+        repeats = echo_repeats(n_batches, factor, generator, device)
+        order = torch.arange(n_batches, device=device).repeat_interleave(repeats)
         positions = (order[:, None] * batch_size + torch.arange(batch_size, device=device)).flatten()
         first = torch.ones_like(order, dtype=torch.bool)
         first[1:] = order[1:] != order[:-1]

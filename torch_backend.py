@@ -719,7 +719,8 @@ class FastNet(nn.Module):
 
     def init_whitening(self, images_nchw):
         with torch.no_grad():
-            self.whiten.weight.copy_(patch_whitening(images_nchw, self.whiten.kernel_size[0])[:self.whiten.out_channels])
+            filters = patch_whitening(images_nchw, self.whiten.kernel_size[0])
+            self.whiten.weight.copy_(filters[:self.whiten.out_channels])
             self.whiten.bias.zero_()
 
     def forward(self, x):

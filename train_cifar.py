@@ -340,7 +340,8 @@ def check_config(cfg):
     need(cfg["muon_norm"] in tb.MUON_NORMS and cfg["muon_ns_steps"] >= 1,
          f"muon-norm must be one of {', '.join(tb.MUON_NORMS)} and muon-ns-steps >= 1")
     need(cfg["lr_scaling"] in parallel.SCALING_RULES, f"lr-scaling must be one of {', '.join(parallel.SCALING_RULES)}")
-    need(cfg["reference_batch_size"] > 0 and cfg["warmup_epochs"] >= 0, "need reference-batch-size > 0, warmup-epochs >= 0")
+    need(cfg["reference_batch_size"] > 0 and cfg["warmup_epochs"] >= 0,
+         "need reference-batch-size > 0, warmup-epochs >= 0")
     need(cfg["bn_group_size"] >= 0 and cfg["sync_bn_group_size"] >= 0 and cfg["allreduce_group_size"] >= 0,
          "group sizes must be >= 0 (0: the default)")
     need(cfg["allreduce"] in ("flat", "hierarchical"), "allreduce must be flat or hierarchical")
@@ -349,7 +350,8 @@ def check_config(cfg):
     need(cfg["echo_factor"] >= 1 and cfg["echo_shuffle_buffer"] >= 0, "need echo-factor >= 1, echo-shuffle-buffer >= 0")
     need(cfg["echo"] != "none" or cfg["echo_factor"] == 1,  # (else it silently echoes nothing)
          f"echo-factor {cfg['echo_factor']:g} needs an --echo mode ({', '.join(pipeline.ECHO_MODES[1:])})")
-    need(cfg["eval_every_steps"] >= 0 and 0 <= cfg["holdout"] < 50000, "need eval-every-steps >= 0, 0 <= holdout < 50000")
+    need(cfg["eval_every_steps"] >= 0 and 0 <= cfg["holdout"] < 50000,
+         "need eval-every-steps >= 0, 0 <= holdout < 50000")
     need(all(int(v) == v and MIN_TRAIN_SIZE <= v <= IMAGE_SIZE for v in cfg["train_sizes"]),
          f"train-sizes must be whole numbers of pixels in {MIN_TRAIN_SIZE}..{IMAGE_SIZE}")
     need(cfg["pipeline"] in ("device", "loader") and cfg["loader_workers"] >= 0,
