@@ -59,6 +59,19 @@ def test_a_series_pools_its_logs(real_log, tmp_path, capsys):
     assert f"mean - target {gap:+.2f} points (95% interval {gap - half:+.2f} to {gap + half:+.2f})" in out
 
 
+def test_a_run_at_the_target_reaches_it_and_a_run_stopped_early_is_left_out(real_log, tmp_path):
+    """9,400 of 10,000 right is 94%: it counts as reaching 0.94. A run ended by --stop-after-epochs (continued
+    later from its checkpoint) has an accuracy but is not a finished run of the recipe."""
+    path = write_log(tmp_path, real_log, "edge", [(0, 9400 / 10000), (1, 0.9399), (2, 0.9500)])
+    log = json.loads(open(path).read())
+    log["runs"][2]["stopped_after_epoch"] = 3
+    open(path, "w").write(json.dumps(log))
+    s = compare_runs.series([path])
+    m = compare_runs.summary(s)
+    assert (m["n"], m["reached"], s["left_out"]) == (2, 1, 1)
+    assert m["mean"] == pytest.approx(statistics.mean([94.00, 93.99]))
+
+
 @pytest.mark.parametrize("seeds, text", [([5, 0, 1, 2, 7, 8], "0-2, 5, 7-8"), ([3], "3"),
                                          ([0, 1, 1, 2, 2, 3, 9, 9, 9], "0-3, 9; 1-2 run twice, 9 run 3 times")])
 def test_seed_ranges(seeds, text):

@@ -78,6 +78,18 @@ def test_welch_interval_covers_the_true_difference_95_percent_of_the_time():
     assert abs(covered / trials - 0.95) < 0.03
 
 
+def test_welch_degrees_of_freedom_are_welch_satterthwaites():
+    """The coverage test above barely moves when df is a little off; here df against its formula, and the
+    textbook case it reduces to: equal sizes and spreads give 2(n - 1), as the pooled t test."""
+    a, b = [93.9, 94.1, 94.3], [93.8, 94.0, 94.5, 94.6, 94.2]
+    va, vb = np.var(a, ddof=1) / 3, np.var(b, ddof=1) / 5
+    d = core.mean_difference(a, b)
+    assert d["df"] == pytest.approx((va + vb) ** 2 / (va ** 2 / 2 + vb ** 2 / 4))
+    half = core.student_t_quantile(0.975, d["df"]) * d["se"]
+    assert d["ci"] == pytest.approx((d["diff"] - half, d["diff"] + half))
+    assert core.mean_difference([1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0])["df"] == pytest.approx(6)
+
+
 def test_paired_difference_cancels_what_each_pair_shares():
     """A per-seed offset common to both variants (that seed's luck) leaves the paired difference and its error
     alone, while the unpaired (Welch) error grows with it; the interval is the one-sample t interval."""
@@ -117,6 +129,7 @@ def test_progress_rewrites_one_line_at_most_every_interval_and_clears_it():
     p.clear()
     assert out.getvalue().endswith("\r" + " " * width + "\r")  # nothing shown: nothing to clear
     assert [core.format_duration(s) for s in (7, 65, 3725)] == ["0m07s", "1m05s", "1h02m"]
+    assert [core.format_duration(s) for s in (59.6, 3599, 3600)] == ["1m00s", "59m59s", "1h00m"]  # no "60m00s"
 
 
 @pytest.mark.parametrize("content, message", [
@@ -158,6 +171,12 @@ def test_json_atomic_and_tsv_append(tmp_path):
     log.row({"epoch": 2, "acc": 0.6})
     log.close()
     assert [r["epoch"] for r in core.read_tsv(str(t))] == ["1", "2"]
+    empty = tmp_path / "empty.tsv"  # e.g. left by a run killed before its first row: gets its header
+    empty.write_text("")
+    log = core.TsvLog(str(empty), ["epoch", "acc"])
+    log.row({"epoch": 1, "acc": 0.5})
+    log.close()
+    assert core.read_tsv(str(empty)) == [{"epoch": "1", "acc": "0.5"}]
 
 
 def test_table_prints_header_once():

@@ -71,6 +71,7 @@ def test_truncated_files_are_clear_errors(tmp_path, tiny):
     (lambda d: d.update(test_x=d["test_x"].astype(np.float32)), "dtype"),
     (lambda d: d.update(train_y=d["train_y"][:-1]), "labels"),
     (lambda d: d.update(test_y=d["test_y"] + 1), "labels 0..9"),
+    (lambda d: d.update(test_y=d["test_y"].astype(np.int64) - 1), "labels 0..9"),  # -1..8: ten classes, one not ours
     (lambda d: d.update(train_y=d["train_y"] * 0), "classes"),
     (lambda d: d.update(train_y=d["train_y"].astype(np.float64)), "integer"),
 ])

@@ -57,13 +57,14 @@ def test_lars_matches_a_float64_reference_over_several_steps():
     model = nn.Sequential(conv, bn, nn.ReLU(), nn.Flatten(), head).double()
     zero_grad_weight = nn.Parameter(torch.randn(2, 2, dtype=torch.float64))  # local_lr falls back to 1
     no_grad_weight = nn.Parameter(torch.randn(3, dtype=torch.float64))  # must not move at all
+    zero_weight = nn.Parameter(torch.zeros(2, 3, dtype=torch.float64))  # first step: local_lr falls back to 1
     common = dict(lr=0.1, momentum=0.9, wd=5e-4, eta=0.02, eps=1e-9, nesterov=False, exclude_wd=False)
     groups = [  # (param group, per-parameter settings the reference uses)
         (dict(params=[conv.weight, conv.bias, bn.weight, no_grad_weight], exclude_from_weight_decay=True),
          [dict(common, adapt=True, exclude_wd=True)] + [dict(common, adapt=False, exclude_wd=True)] * 3),
-        (dict(params=[head.weight, head.bias, zero_grad_weight], lr=0.05, weight_decay=1e-3, trust_coefficient=0.05,
-              adapt=True, nesterov=True),
-         [dict(common, lr=0.05, wd=1e-3, eta=0.05, adapt=True, nesterov=True)] * 3),
+        (dict(params=[head.weight, head.bias, zero_grad_weight, zero_weight], lr=0.05, weight_decay=1e-3,
+              trust_coefficient=0.05, adapt=True, nesterov=True),
+         [dict(common, lr=0.05, wd=1e-3, eta=0.05, adapt=True, nesterov=True)] * 4),
         (dict(params=[bn.bias]), [dict(common, adapt=False)]),  # default: not adapted, still decayed
     ]
     params = [p for g, _ in groups for p in g["params"]]
@@ -77,6 +78,7 @@ def test_lars_matches_a_float64_reference_over_several_steps():
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         zero_grad_weight.grad = torch.zeros_like(zero_grad_weight)
+        zero_weight.grad = torch.randn(2, 3, generator=gen, dtype=torch.float64)
         grads_per_step.append([None if p.grad is None else p.grad.numpy().copy() for p in params])
         opt.step()
         trajectory.append([p.detach().numpy().copy() for p in params])
@@ -85,6 +87,8 @@ def test_lars_matches_a_float64_reference_over_several_steps():
             np.testing.assert_allclose(g, e, rtol=1e-12, atol=1e-15)
     assert np.array_equal(trajectory[-1][3], initial[3])
     assert not np.allclose(trajectory[-1][0], initial[0])
+    moved = next(i for i, p in enumerate(params) if p is zero_weight)
+    assert np.abs(trajectory[0][moved]).min() > 0  # it moved at the first step
 
 
 def test_lars_rejects_bad_settings():

@@ -560,6 +560,15 @@ def test_step_evaluations_stop_at_target_on_a_holdout():
     assert all(round(e["test_acc"] * 100) == e["test_acc"] * 100 for e in full["runs"][0]["evals"])
 
 
+def test_an_accuracy_equal_to_the_target_reaches_it_between_steps_as_at_epoch_ends(monkeypatch):
+    """9,400 right of 10,000 reaches 0.94: the step evaluations count it as the epoch ends do (>=)."""
+    monkeypatch.setattr(train_cifar, "evaluate", lambda *a, **k: 0.5)
+    s = train_cifar.train("resnet9", data=synthetic(200, 50), log_dir=None, log=lambda *a: None,
+                          **dict(TINY, epochs=1, eval_every_steps=2, target=0.5))
+    run = s["runs"][0]
+    assert (run["step_reached_target"], run["epoch_reached_target"]) == (2, 1)
+
+
 def test_compile_warm_up_leaves_the_net_as_it_was():
     """The warm-up trains nothing: weights, BN statistics and requires_grad are restored and no gradient is left
     (eager step here; the compiled step is the same call)."""
