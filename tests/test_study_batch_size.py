@@ -82,6 +82,55 @@ def test_lr_trend_recovers_the_slope(slope, closer):
     assert sbs.lr_trend([16], [0.1])["slope"] is None
 
 
+def test_lr_trend_stderr_is_the_textbook_ols_slope_standard_error():
+    """The slope's standard error (the "± x" of the report) is sqrt(s^2 (X'X)^-1)[slope] with s^2 = RSS / (n - 2);
+    a wrong degrees-of-freedom count or a missing square root would misstate how well the LR rule is pinned."""
+    bs, lrs = [16, 32, 64, 128, 256, 512], [0.05, 0.11, 0.16, 0.4, 0.55, 1.3]
+    x, y = np.log(np.array(bs, np.float64)), np.log(np.array(lrs, np.float64))
+    design = np.stack([x, np.ones_like(x)], axis=1)
+    coef, rss, *_ = np.linalg.lstsq(design, y, rcond=None)
+    cov = rss[0] / (len(bs) - 2) * np.linalg.inv(design.T @ design)
+    t = sbs.lr_trend(bs, lrs)
+    assert t["slope"] == pytest.approx(coef[0], rel=1e-9)
+    assert t["stderr"] == pytest.approx(math.sqrt(cov[0, 0]), rel=1e-9)
+    assert sbs.lr_trend(bs[:2], lrs[:2])["stderr"] is None  # two points: no residual degree of freedom
+
+
+def test_cut_per_doubling_spreads_a_gap_over_its_doublings():
+    """64 -> 256 is two doublings: 1000 -> 400 steps is a cut of 1 - sqrt(0.4) per doubling, not 60% (a cut
+    counted per measured point would overstate the gains wherever batch sizes were skipped or not reached)."""
+    for pts in ([(64, 1000), (256, 400)], [(64, 1000), (128, None), (256, 400)]):
+        points = sbs.analyse(pts)["points"]
+        assert points[0]["cut_per_doubling"] is None and points[-1]["batch_size"] == 256
+        assert points[-1]["cut_per_doubling"] == pytest.approx(1 - math.sqrt(400 / 1000))
+
+
+def analysed(b, trial, steps, best_acc, lr_eff=1.0, window=(0.1, 10.0)):
+    """A reached trial record as best_per_batch reads it (plain SGD: lr = lr_eff)."""
+    params = dict(lr_eff=lr_eff, lr=lr_eff, momentum=0.0, warmup_frac=0.1, decay_to=0.1)
+    return dict(batch_size=b, trial=trial, reached=True, diverged=False, budget_steps=1000, eval_every_steps=10,
+                steps_to_target=steps, best_acc=best_acc, params=params, lr_window=list(window))
+
+
+def test_equal_steps_to_target_tie_break_to_the_higher_accuracy():
+    """Two trials at the same steps: the best is the one that went on to the higher accuracy, not the lower
+    trial number (nor the lower accuracy); its metaparameters are the row's."""
+    rows = sbs.best_per_batch([analysed(64, 0, 300, 0.66, lr_eff=0.5), analysed(64, 1, 300, 0.71, lr_eff=2.0)])
+    assert rows[0]["best_trial"] == 1 and rows[0]["best_lr_eff"] == 2.0 and rows[0]["best_steps"] == 300
+    rows = sbs.best_per_batch([analysed(64, 0, 300, 0.71, lr_eff=0.5), analysed(64, 1, 300, 0.66, lr_eff=2.0)])
+    assert rows[0]["best_trial"] == 0 and rows[0]["best_lr_eff"] == 0.5
+
+
+def test_a_best_lr_near_either_end_of_its_log_window_is_flagged():
+    """lr_at_edge: the best lr_eff lies in the outer 10% (log scale) of the searched window at either end, a hint
+    to widen the search; the window's log-centre (its linear 9%) is not an edge."""
+    lo, hi = 0.1, 10.0
+    at = lambda frac: lo * (hi / lo) ** frac  # noqa: E731  (frac of the way through the window in log scale)
+    records = [analysed(b, 0, 100, 0.7, lr_eff=at(frac), window=(lo, hi))
+               for b, frac in ((16, 0.05), (32, 0.5), (64, 0.95))]
+    assert [r["lr_at_edge"] for r in sbs.best_per_batch(records)] == [True, False, True]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Quasi-random search
 
@@ -304,6 +353,21 @@ def test_a_real_trial_records_steps_to_target_and_the_full_budget_otherwise():
     hard = sbs.run_trial(sbs.make_trial(tiny_settings(target=1.0), 25, 1, 150), data, "fast94-sgd")
     assert not hard["reached"] and hard["steps_to_target"] is None and hard["budget_steps"] == 8
     assert [e[0] for e in hard["evals"]] == [2, 4, 6, 8] and 0 <= hard["best_acc"] <= 1
+
+
+def test_a_target_met_only_by_the_final_evaluation_counts_the_whole_budget(monkeypatch):
+    """train_cifar reports no step (only the epoch) when the final evaluation, after the last step-interval one,
+    met the target: the trial reached it, in its budget's steps (not "never reached")."""
+    import train_cifar
+    final = dict(step_reached_target=None, epoch_reached_target=2, accuracy=0.7, time_to_target_s=1.0,
+                 total_time_s=1.0, evals=[dict(step=6, test_acc=0.4, train_loss=1.5)])
+    monkeypatch.setattr(train_cifar, "train", lambda *a, **k: dict(runs=[final], hardware="stub", precision="fp32",
+                                                                    commit="stub"))
+    spec = sbs.make_trial(tiny_settings(target=0.65), 25, 0, 150)
+    rec = sbs.run_trial(spec, None, "fast94-sgd")
+    budget = max(math.ceil(1 * (150 // 25)), 8)  # 1 epoch of 6 steps, but at least min_steps 8
+    assert rec["reached"] and rec["steps_to_target"] == spec["budget_steps"] == budget
+    assert rec["examples_to_target"] == budget * 25 and rec["best_acc"] == 0.7
 
 
 def test_a_diverging_trial_is_recorded_as_diverged():

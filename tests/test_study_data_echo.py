@@ -1,5 +1,6 @@
 """study_data_echo.py: the run plan, resume from the JSONL log, the summary's statistics and bounds, and one tiny
 end-to-end study on synthetic data run twice (the second run resumes and trains nothing)."""
+import argparse
 import json
 import math
 import os
@@ -60,6 +61,34 @@ def test_summary_statistics_and_speedups():
     assert echo["min_e_R"] == 2.0 and echo["ideal_time_speedup"] == 2.0
     no_r = study.summarise(records, None, overlap=True)
     assert all(math.isnan(r["min_e_R"]) for r in no_r)
+
+
+def test_time_speedup_is_the_baseline_mean_time_over_the_echo_mean_time():
+    """Wall-clock speed-up: baseline mean time / echo mean time (10 s against 5 s is 2x), independent of the
+    fresh-examples speed-up (here 1.25x)."""
+    records = [rec("none", 1.0, 0, 1000, 9.0), rec("none", 1.0, 1, 1000, 11.0),
+               rec("batch", 2.0, 0, 800, 4.0), rec("batch", 2.0, 1, 800, 6.0)]
+    rows = {(r["mode"], r["factor"]): r for r in study.summarise(records, None, overlap=False)}
+    assert rows[("batch", 2.0)]["time_speedup"] == pytest.approx(10.0 / 5.0)
+    assert rows[("batch", 2.0)]["fresh_speedup"] == pytest.approx(1000 / 800)
+    assert rows[("none", 1.0)]["time_speedup"] == pytest.approx(1.0)
+
+
+def test_a_target_met_in_the_last_partial_epoch_counts_the_run_steps(monkeypatch):
+    """With fractional epochs (2.5 of 4 steps: 10 steps) the last epoch, numbered 3, stops at step 10: a target met
+    only at its end is at step 10, not 3 * 4 = 12, more than the run trained."""
+    run = dict(epoch_reached_target=3, step_reached_target=None, fresh_to_target=500, time_to_target_s=1.0,
+               accuracy=0.9, total_time_s=1.0, evals=[],
+               epochs=[dict(fresh=200, test_acc=0.5), dict(fresh=400, test_acc=0.7), dict(fresh=500, test_acc=0.9)])
+    monkeypatch.setattr(study.train_cifar, "train", lambda *a, **k: dict(runs=[run], hardware="stub",
+                                                                          precision="fp32", commit="stub"))
+    args = argparse.Namespace(workload="cpu", pipeline="device", target=None, loader_workers=None, budget="steps",
+                              echo_shuffle_buffer=0, settings={}, overrides=dict(batch_size=50, epochs=2.5))
+    data = dict(train_y=np.zeros(200, np.int64))
+    r = study.one_run(args, study.WORKLOADS["cpu"], data, "cpu", "none", 1.0, 0, lambda *a: None)
+    total = math.ceil(2.5 * (200 // 50))
+    assert r["reached"] and r["steps_to_target"] == total == 10
+    assert r["epochs_to_target"] == pytest.approx(2.5) and r["examples_to_target"] == total * 50
 
 
 def test_tiny_study_writes_everything_and_resumes(tmp_path, capsys):
