@@ -145,6 +145,22 @@ class Table:
         self.out(" ".join(format_cell(values.get(c, ""), self.width) for c in self.columns))
 
 
+def format_flops(flops):
+    """Training FLOPs as the records table gives them (0.265 PF), in TF or GF below 0.01 PF (a subset or narrow
+    net would otherwise read "0.000 PF")."""
+    if flops >= 1e13:
+        return f"{flops / 1e15:.3f} PF"
+    value, unit = (flops / 1e12, "TF") if flops >= 1e12 else (flops / 1e9, "GF")
+    return f"{value:.{max(0, 2 - math.floor(math.log10(value))) if value > 0 else 0}f} {unit}"  # 3 digits
+
+
+def format_mean_std(mean, std, n, digits, scale=1.0, unit=""):
+    """"94.12 ± 0.13%" for several values, "94.12%" for one (one run has no spread to state)."""
+    if n > 1:
+        return f"{scale * mean:.{digits}f} ± {scale * std:.{digits}f}{unit}"
+    return f"{scale * mean:.{digits}f}{unit}"
+
+
 def format_duration(seconds):
     """65 -> '1m05s', 3725 -> '1h02m', 7 -> '0m07s': for elapsed times and ETAs."""
     s = int(round(seconds))

@@ -969,11 +969,12 @@ def tta_views(x, level):
 
 
 @torch.no_grad()
-def predict(model, x, precision, device, batch_size=1000, tta=0, tta_confidence=0.0):
+def predict(model, x, precision, device, batch_size=1000, tta=0, tta_confidence=0.0, on_batch=None):
     """Logits averaged over TTA views, in fp32. With tta_confidence > 0 the views beyond the image itself are run
     only for the images whose plain prediction is unsure (top softmax probability below tta_confidence); the
     others keep their plain logits. TTA rarely overturns a confident prediction, so this can keep its gain for a
-    fraction of its forward passes (benchmarks/eval_tta.py measures both on trained nets)."""
+    fraction of its forward passes (benchmarks/eval_tta.py measures both on trained nets). on_batch(k) is
+    called on the host after the k-th batch (a progress line; it reads nothing from the device)."""
     model.eval()
     outs = []
     for i in range(0, len(x), batch_size):
@@ -981,16 +982,23 @@ def predict(model, x, precision, device, batch_size=1000, tta=0, tta_confidence=
         with autocast(precision, device):
             if not tta or not tta_confidence:
                 outs.append(sum(w * model(v).float() for v, w in tta_views(xb, tta)))
-                continue
-            plain = model(xb).float()
-            unsure = (plain.softmax(1).amax(1) < tta_confidence).nonzero().squeeze(1)
-            out = plain.clone()
-            if len(unsure):
-                (_, w_plain), *others = tta_views(xb[unsure], tta)  # the first view is the image itself
-                out[unsure] = w_plain * plain[unsure] + sum(w * model(v).float() for v, w in others)
-            outs.append(out)
+            else:
+                outs.append(confident_tta(model, xb, tta, tta_confidence))
+        if on_batch:
+            on_batch(i // batch_size + 1)
     model.train()
     return torch.cat(outs)
+
+
+def confident_tta(model, x, tta, tta_confidence):
+    """predict's logits for one batch where only the unsure images get the extra views."""
+    plain = model(x).float()
+    unsure = (plain.softmax(1).amax(1) < tta_confidence).nonzero().squeeze(1)
+    out = plain.clone()
+    if len(unsure):
+        (_, w_plain), *others = tta_views(x[unsure], tta)  # the first view is the image itself
+        out[unsure] = w_plain * plain[unsure] + sum(w * model(v).float() for v, w in others)
+    return out
 
 
 def count_flops(fn):

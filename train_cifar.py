@@ -10,6 +10,7 @@ that fill the table are excluded, as is the one-time warm-up. See README.md.
 import argparse
 import contextlib
 import datetime
+import itertools
 import math
 import numbers
 import os
@@ -217,6 +218,7 @@ PRESETS = {
 }
 DEFAULT_PRESET = "fast94"
 IMAGE_SIZE = 32
+EVAL_BATCH = 1000  # test images per forward pass
 NETS = ("resnet9", "resnet9_tricks", "preact_resnet18", "preact_resnet18_dup", "fastnet")
 
 
@@ -914,8 +916,9 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
         for row in rows:  # so this invocation's table and TSV hold the whole run, not only what it trained
             if on_epoch:
                 on_epoch(row)
-        if result["accuracy"] is not None:  # that run had finished
-            return result
+        if result["accuracy"] is not None:  # that run had finished (or stopped where asked): its log has it
+            log(f"{checkpoint} holds this run's result already: nothing trained, no new log written")
+            return dict(result, trained_nothing=True)
     for epoch in range(start_epoch, math.ceil(total_steps / per_epoch) + 1):
         if cfg["whiten_bias_epochs"] and hasattr(model, "whiten"):
             trainable = epoch <= cfg["whiten_bias_epochs"]
@@ -995,8 +998,10 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
         test_acc = None
         if last or (cfg["eval_every"] and epoch % cfg["eval_every"] == 0):
             tta = cfg["tta"] if last else 0
-            with evaluated_weights(ema):
-                test_acc = evaluate(model, data, precision, device, tta, rank, world, cfg["tta_confidence"])
+            with evaluated_weights(ema):  # (on a CPU the final one, with TTA, can take minutes: a progress line)
+                test_acc = evaluate(model, data, precision, device, tta, rank, world, cfg["tta_confidence"],
+                                    progress, f"run {run_index} epoch {epoch} " + ("final evaluation" if last
+                                                                                   else "evaluation"))
             timer(include_in_total=last)  # only the final evaluation counts towards the time
         row = dict(run=run_index, epoch=epoch, lr=lr, train_loss=train_loss, train_acc=train_acc,
                    test_acc=test_acc if test_acc is not None else float("nan"), epoch_time=epoch_time,
@@ -1050,10 +1055,16 @@ def evaluate_during_epoch(cfg, model, data, precision, device, rank, world, time
     return False
 
 
-def evaluate(model, data, precision, device, tta, rank=0, world=1, tta_confidence=0.0):
-    """Test accuracy; with several processes each scores every world-th image and the counts are summed."""
+def evaluate(model, data, precision, device, tta, rank=0, world=1, tta_confidence=0.0, progress=None, label=""):
+    """Test accuracy; with several processes each scores every world-th image and the counts are summed.
+    progress: a core.Progress shown per batch of test images under `label`, or None."""
     x, y = data["test_x"][rank::world], data["test_y"][rank::world]
-    logits = tb.predict(model, x, precision, device, tta=tta, tta_confidence=tta_confidence)
+    if progress:
+        progress.start(label, math.ceil(len(y) / EVAL_BATCH))
+    logits = tb.predict(model, x, precision, device, batch_size=EVAL_BATCH, tta=tta, tta_confidence=tta_confidence,
+                        on_batch=progress.update if progress else None)
+    if progress:
+        progress.clear()
     correct = (logits.argmax(1) == y).sum().float()
     if world > 1:
         torch.distributed.all_reduce(correct)
@@ -1066,7 +1077,9 @@ def evaluate(model, data, precision, device, tta, rank=0, world=1, tta_confidenc
 TABLE_COLUMNS = ["run", "epoch", "lr", "train_loss", "train_acc", "test_acc", "epoch_time", "total_time", "fresh"]
 
 
-def summarise(cfg, results, hardware, precision, flops_per_step, steps, flops_per_run, commit):
+def summarise(cfg, results, hardware, precision, flops_per_step, steps, flops_per_run, commit, data=None):
+    """The JSON summary of a train() call; data: the dataset's fingerprint (sizes and checksums as loaded), which
+    --from-log compares."""
     done = [r for r in results if r["accuracy"] is not None]
     acc_mean, acc_std = core.mean_std([r["accuracy"] for r in done])
     reached = [r for r in done if r["epoch_reached_target"] is not None]
@@ -1075,7 +1088,7 @@ def summarise(cfg, results, hardware, precision, flops_per_step, steps, flops_pe
     return dict(
         preset=cfg["preset"], config={k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()},
         world_size=torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
-        precision=precision, hardware=hardware, torch=torch.__version__, commit=commit,
+        precision=precision, hardware=hardware, torch=torch.__version__, commit=commit, data_fingerprint=data,
         started=core.utc_timestamp(),
         train_flops_per_step=flops_per_step, train_steps=steps, train_flops_per_run=flops_per_run, runs=results,
         accuracy_mean=acc_mean, accuracy_std=acc_std, runs_reaching_target=len(reached), runs_finished=len(done),
@@ -1135,6 +1148,7 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
     if data is None:
         data = tb.load_cifar10(data_path or default_data_path())
     data = tb.validate(dict(data), "data")
+    data_id = data_fingerprint({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in data.items()})  # as loaded
     check_runnable(cfg, len(data["train_y"]), device, world)
     if cfg["holdout"]:  # a fixed split, the same for every run and seed
         order = np.random.default_rng(0).permutation(len(data["train_y"]))
@@ -1164,18 +1178,26 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
     tsv = json_path = None
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
+        base = name
+        for k in itertools.count(2):  # two calls of train() within a second in one process: never the same log
+            if not any(os.path.exists(os.path.join(log_dir, name + ext)) for ext in (".json", ".tsv")):
+                break
+            name = f"{base}-{k}"
         tsv = core.TsvLog(os.path.join(log_dir, name + ".tsv"), TABLE_COLUMNS)
         json_path = os.path.join(log_dir, name + ".json")
     table = core.Table(TABLE_COLUMNS, out=log)
+
+    rows_logged, replayed = [], []
 
     def on_epoch(row):
         table.row(row)
         if tsv:
             tsv.row(row)
+        rows_logged.append(row)
 
     results = []
     log(f"preset {cfg['preset']} | {hardware} | {precision} | torch {torch.__version__} | "
-        f"{flops_per_run / 1e15:.3f} PFLOPs per run")
+        f"{core.format_flops(flops_per_run)} training FLOPs per run")
     hint = tb.allocator_hint(device)
     if hint:
         log(hint)
@@ -1188,6 +1210,10 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
                 results.append(dict(seed=cfg["seed"] + r, accuracy=None, epoch_reached_target=None,
                                     time_to_target_s=None, total_time_s=None, train_flops=None, diverged=True))
                 raise
+            if res.pop("trained_nothing", False):  # a finished checkpoint: a second log would count it twice
+                results.append(res)
+                replayed.append(res)
+                continue
             res["train_flops"] = flops_per_run
             if res.get("stopped_after_epoch"):  # only the steps it trained, counted on shapes alone
                 meta = torch.device("meta")
@@ -1197,15 +1223,20 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
             results.append(res)
             if json_path:  # rewritten after every run so a crash keeps the finished ones
                 core.write_json_atomic(json_path, summarise(cfg, results, hardware, precision, flops_per_step, steps,
-                                                            flops_per_run, commit))
+                                                            flops_per_run, commit, data_id))
     finally:
         if progress:  # (an interrupted epoch leaves its line)
             progress.clear()
-        summary = summarise(cfg, results, hardware, precision, flops_per_step, steps, flops_per_run, commit)
-        if json_path:
-            core.write_json_atomic(json_path, summary)
+        summary = summarise(cfg, results, hardware, precision, flops_per_step, steps, flops_per_run, commit, data_id)
         if tsv:
             tsv.close()
+        # No log where nothing trained: a run refused before its first epoch (say a checkpoint of another
+        # configuration), or one whose checkpoint had finished; an interrupted first run keeps its rows.
+        if json_path and (len(results) > len(replayed) or (rows_logged and not results)):
+            core.write_json_atomic(json_path, summary)
+        elif tsv:
+            os.remove(tsv.path)
+            json_path = None
     summary["log_json"] = json_path
     return summary
 
@@ -1216,16 +1247,22 @@ def default_data_path():
 
 def print_summary(s, log=print):
     n = s["runs_finished"]
-    log(f"\n{s['preset']}: accuracy {100 * s['accuracy_mean']:.2f} ± {100 * s['accuracy_std']:.2f}% over {n} run(s); "
-        f"{s['runs_reaching_target']}/{n} reached {100 * s['config']['target']:.1f}%")
-    stopped = sorted({r["stopped_after_epoch"] for r in s["runs"] if r.get("stopped_after_epoch")})
+    log(f"\n{s['preset']}: accuracy {core.format_mean_std(s['accuracy_mean'], s['accuracy_std'], n, 2, 100, '%')}"
+        f" over {n} run{'s' if n != 1 else ''}; {s['runs_reaching_target']}/{n} reached "
+        f"{100 * s['config']['target']:.1f}%")
+    done = [r for r in s["runs"] if r.get("accuracy") is not None]
+    stopped = sorted({r["stopped_after_epoch"] for r in done if r.get("stopped_after_epoch")})
+    flops = f"training FLOPs {core.format_flops(s['train_flops_per_run'])} per run"
     if stopped:
         log(f"(stopped after epoch {', '.join(map(str, stopped))} of {s['config']['epochs']:g} by "
             "--stop-after-epochs: accuracy and time are those of a run cut short, not of the full schedule)")
-    log(f"time: {s['total_time_mean_s']:.1f} ± {s['total_time_std_s']:.1f} s per run"
+        trained = [r["train_flops"] for r in done if r.get("train_flops") is not None]
+        if trained:  # what the runs trained, not the schedule's (a checkpoint's replayed result has no count)
+            flops = (f"training FLOPs {core.format_flops(sum(trained) / len(trained))} per run trained "
+                     f"(the full schedule: {core.format_flops(s['train_flops_per_run'])})")
+    log(f"time: {core.format_mean_std(s['total_time_mean_s'], s['total_time_std_s'], n, 1)} s per run"
         + (f", to target {s['time_to_target_mean_s']:.1f} s" if s["runs_reaching_target"] else "")
-        + f"; training FLOPs {s['train_flops_per_run'] / 1e15:.3f} PF per run"
-        + f"; {s['hardware']}, {s['precision']}")
+        + f"; {flops}; {s['hardware']}, {s['precision']}")
     if s.get("log_json"):
         log(f"log: {s['log_json']}")
 
@@ -1282,6 +1319,14 @@ def describe_rerun(log_path, logged, preset, options, overrides, predated):
         lines.append(f"the log predates {', '.join('--' + k.replace('_', '-') for k in predated)}: they take "
                      "their defaults, so the rerun may differ")
     return lines
+
+
+def data_differs(logged, now):
+    """The arrays (train_x, ...) whose size or checksum differ between a log's data fingerprint and this run's;
+    empty where either has none."""
+    if not isinstance(logged, dict) or not now:
+        return []
+    return [k for k in now if logged.get(k) != now[k]]
 
 
 def describe_reproduction(report, log_path):
@@ -1498,6 +1543,11 @@ def main(argv=None):
             summary["reproduces"] = dict(log=args.from_log, runs=core.reproduction_report(summary["runs"],
                                                                                           logged["runs"]))
             print(f"\nagainst {args.from_log}:")
+            other = data_differs(logged.get("data_fingerprint"), summary.get("data_fingerprint"))
+            if other:  # (logs before 2026-12-05 have no fingerprint: nothing to compare)
+                summary["reproduces"]["data_differs"] = other
+                print(f"  note: this run's data are not the log's ({', '.join(other)} differ): the runs are not "
+                      "expected to match")
             for line in describe_reproduction(summary["reproduces"]["runs"], args.from_log):
                 print("  " + line)
             if summary.get("log_json"):  # the comparison goes into the new log too

@@ -1,4 +1,5 @@
 import collections
+import datetime
 import io
 import json
 import os
@@ -351,7 +352,10 @@ def test_progress_within_epochs_reports_every_step_and_changes_nothing(tiny):
                               **dict(TINY, epochs=2))
     plain = train_cifar.train("resnet9", data=tiny, log=lambda *a: None, progress=False, **dict(TINY, epochs=2))
     lines = [part for part in out.getvalue().split("\r") if part.strip()]
-    assert [line.split(" (")[0] for line in lines] == [f"run 0 epoch {e}: {i}/4" for e in (1, 2) for i in range(1, 5)]
+    evaluation = {1: "evaluation", 2: "final evaluation"}  # then the test images (50: one batch)
+    assert [line.split(" (")[0] for line in lines] == [
+        text for e in (1, 2) for text in [f"run 0 epoch {e}: {i}/4" for i in range(1, 5)]
+        + [f"run 0 epoch {e} {evaluation[e]}: 1/1"]]
     assert out.getvalue().endswith("\r") and out.getvalue().split("\r")[-2].strip() == ""  # cleared
     assert [r["train_loss"] for r in shown["runs"][0]["epochs"]] == [r["train_loss"] for r in plain["runs"][0]["epochs"]]
 
@@ -752,6 +756,17 @@ def test_from_log_reruns_a_logged_run_bit_for_bit_and_says_so(tiny_npz, tmp_path
     assert changed["reproduces"]["runs"][0]["first_difference"] == 1
     out = capsys.readouterr().out
     assert "--lr-values 0.5 0.0 (logged 1.0 0.0)" in out and "differs from the log from epoch 1" in out
+    assert "data_differs" not in again["reproduces"] and again["data_fingerprint"] == first["data_fingerprint"]
+
+    # on other data (one test image changed) the rerun says so, rather than leaving the user to guess why
+    other = dict(np.load(tiny_npz))
+    other["test_x"] = other["test_x"].copy()
+    other["test_x"][0] ^= 1
+    np.savez(tmp_path / "other.npz", **other)
+    elsewhere = train_cifar.main(["--from-log", first["log_json"], "--data", str(tmp_path / "other.npz"),
+                                  "--log-dir", "", "--runs", "1"])
+    assert elsewhere["reproduces"]["data_differs"] == ["test_x"]
+    assert "note: this run's data are not the log's (test_x differ)" in capsys.readouterr().out
 
 
 def test_from_log_names_what_a_log_predates_and_refuses_what_is_gone(tiny_npz, tmp_path, capsys):
@@ -952,5 +967,69 @@ def test_the_summary_pools_finished_runs_and_counts_those_that_reached_the_targe
     assert s["total_time_mean_s"] == pytest.approx(410.0) and s["time_to_target_mean_s"] == pytest.approx(385.0)
     said = []
     train_cifar.print_summary(s, log=said.append)
-    assert "accuracy 94.11 ± 0.20% over 3 run(s); 2/3 reached 94.0%" in said[0]
+    assert "accuracy 94.11 ± 0.20% over 3 runs; 2/3 reached 94.0%" in said[0]
     assert said[1].startswith("time: 410.0 ± 10.0 s per run, to target 385.0 s; training FLOPs 0.265 PF per run")
+
+
+def test_the_summary_of_one_run_or_a_run_cut_short_states_what_it_has():
+    """One run has no spread to state ("± 0.00" read as a measured zero); a run stopped by --stop-after-epochs
+    states the FLOPs it trained, not the schedule's; a small run's FLOPs are not "0.000 PF"."""
+    cfg = train_cifar.make_config("fast94", stop_after_epochs=2)
+    run = dict(seed=0, accuracy=0.6989, epoch_reached_target=None, total_time_s=247.2, time_to_target_s=None,
+               stopped_after_epoch=2, train_flops=5.3e13)
+    s = train_cifar.summarise(cfg, [run], "cpu", "bf16", 1e12, 250, 2.65e14, "abc")
+    said = []
+    train_cifar.print_summary(s, log=said.append)
+    assert "accuracy 69.89% over 1 run; 0/1 reached 94.0%" in said[0]
+    assert "stopped after epoch 2 of 10" in said[1]
+    assert said[2].startswith("time: 247.2 s per run; training FLOPs 0.053 PF per run trained (the full schedule: "
+                              "0.265 PF)")
+    assert [core.format_flops(f) for f in (2.65e14, 3.1e15, 1.2e13, 9e12, 5.5e11, 0)] == \
+        ["0.265 PF", "3.100 PF", "0.012 PF", "9.00 TF", "550 GF", "0 GF"]
+
+
+def test_a_finished_or_refused_checkpoint_writes_no_log(tmp_path):
+    """Running a finished run's command again reprints its result but writes no second log (compare_runs
+    counted the one run twice, with a spread of zero); a checkpoint refused before training leaves no empty log."""
+    data, ckpt, logs = synthetic(200, 50), str(tmp_path / "run.pt"), tmp_path / "logs"
+    quiet = dict(data=data, log=lambda *a: None, checkpoint=ckpt, log_dir=str(logs), **TINY)
+    first = train_cifar.train("resnet9", **quiet)
+    assert sorted(p.suffix for p in logs.iterdir()) == [".json", ".tsv"]
+    said = []
+    again = train_cifar.train("resnet9", **dict(quiet, log=said.append))
+    assert again["runs"][0]["accuracy"] == first["runs"][0]["accuracy"] and again["log_json"] is None
+    assert any("holds this run's result already: nothing trained, no new log written" in line for line in said)
+    assert len(list(logs.iterdir())) == 2
+    with pytest.raises(ValueError, match="another configuration"):
+        train_cifar.train("resnet9", **dict(quiet, epochs=3))
+    assert len(list(logs.iterdir())) == 2
+    assert json.load(open(first["log_json"]))["runs"][0]["accuracy"] == first["runs"][0]["accuracy"]
+    assert len(core.read_tsv(first["log_json"][:-5] + ".tsv")) == 2  # the first invocation's log, intact
+
+
+def test_two_runs_started_in_the_same_second_get_logs_of_their_own(tmp_path, monkeypatch):
+    class Frozen(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime.datetime(2026, 12, 5, 8, 0, 0)
+    monkeypatch.setattr(train_cifar.datetime, "datetime", Frozen)
+    quiet = dict(data=synthetic(200, 50), log=lambda *a: None, log_dir=str(tmp_path), **dict(TINY, epochs=1))
+    a, b = train_cifar.train("resnet9", **quiet), train_cifar.train("resnet9", **dict(quiet, seed=1))
+    assert a["log_json"] != b["log_json"] and len(list(tmp_path.iterdir())) == 4
+    assert json.load(open(a["log_json"]))["runs"][0]["seed"] == 0
+    assert len(core.read_tsv(a["log_json"][:-5] + ".tsv")) == 1
+
+
+def test_an_evaluation_shows_progress_per_batch_of_test_images():
+    """The final evaluation with TTA can take minutes on a CPU after the last epoch's line: a progress line
+    counts its batches (and is cleared before the table's row)."""
+    cfg = train_cifar.make_config("fast94", widths=(8, 16, 16), precision="fp32")
+    dev = torch.device("cpu")
+    data = tb.to_device(tb.validate(synthetic(100, 2100), "tiny"), dev, torch.float32, pad=cfg["pad"])
+    model = train_cifar.build_model(cfg, dev, data["train_x"])
+    out = io.StringIO()
+    progress = core.Progress(out, every_s=0.0)
+    acc = train_cifar.evaluate(model, data, "fp32", dev, 2, progress=progress, label="run 0 epoch 10 final evaluation")
+    assert acc == train_cifar.evaluate(model, data, "fp32", dev, 2)
+    shown = re.findall(r"run 0 epoch 10 final evaluation: (\d)/3 ", out.getvalue())
+    assert shown == ["1", "2", "3"] and out.getvalue().endswith("\r")  # 2,100 images in batches of 1,000; cleared
