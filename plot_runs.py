@@ -3,7 +3,7 @@ per run, with the target and each log's preset and seed in the legend.
 
     python plot_runs.py logs/fast94-2026*.json                      # -> runs.png
     python plot_runs.py logs/fast94-*.json --x time --out fast94.png
-    python plot_runs.py logs/resnet9-*.json --reference logs/reference/myrtle-resnet9-v100.tsv
+    python plot_runs.py logs/resnet9-2*.json --reference logs/reference/myrtle-resnet9-v100.tsv
     python plot_runs.py logs/fast9*.json --x flops --out records.png   # accuracy against FLOPs, per recipe
 
 With --x flops, one point per recipe instead of curves: the logs are pooled by what they trained (as
@@ -12,13 +12,18 @@ run with its mean final accuracy ± std over the finished runs, beside the publi
 points is printed.
 
 With --reference (a published per-epoch curve, see logs/reference/), it also prints each run's test accuracy
-beside the reference's, epoch by epoch. Reads the JSON summaries train_cifar.py writes (several logs of one preset, e.g. seeds run by separate
-invocations, plot together). The last point of a run is its final accuracy, with TTA where the recipe uses it."""
+beside the reference's, epoch by epoch. Reads the JSON summaries train_cifar.py writes (several logs of one
+preset, e.g. seeds run by separate invocations, plot together). The last point of a run is its final accuracy,
+with TTA where the recipe uses it. Runs of different logs that would be labelled alike (a seed rerun on other
+hardware) are told apart by their log's file name."""
 import argparse
+import collections
+import itertools
 import json
 import math
 import os
 import sys
+import textwrap
 
 import compare_runs
 import core
@@ -48,12 +53,42 @@ def load_reference(path):
     return os.path.splitext(os.path.basename(path))[0], epochs, acc
 
 
-def comparison(summaries, references):
-    """Rows of {epoch, <run label>: test accuracy, <reference label>: accuracy} over every epoch any of them has."""
-    columns = {}
-    for s in summaries:
+def log_name(path, preset):
+    """How labels name a log, where runs of two logs would be labelled alike: its file name, less the extension
+    and the preset (already in the label)."""
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return stem[len(preset) + 1:] if stem.startswith(preset + "-") and len(stem) > len(preset) + 1 else stem
+
+
+def tell_apart(keys, names):
+    """Per run, given its key (what its label says) and its log's name: what its label must add so that no other
+    run's has the same. Nothing for a key no other run shares, else its log's name, and #1, #2, ... after it
+    where that repeats too (a log given twice): a table column or a legend entry must never stand for two runs."""
+    counts = collections.Counter(keys)
+    named = [(k, n if counts[k] > 1 else "") for k, n in zip(keys, names)]
+    counts, seen, out = collections.Counter(named), collections.Counter(), []
+    for k, n in named:
+        seen[k, n] += 1
+        out.append(n + (f"#{seen[k, n]}" if counts[k, n] > 1 else ""))
+    return out
+
+
+def default_names(summaries):
+    return [f"log{i + 1}" for i in range(len(summaries))]
+
+
+def comparison(summaries, references, names=None):
+    """Rows of {epoch, <run label>: test accuracy, <reference label>: accuracy} over every epoch any of them has.
+    A run's label is preset-seedN, with @ and its log's name (names: one per summary) where runs of other logs
+    have that label too (tell_apart)."""
+    names = names or default_names(summaries)
+    keys, logs, values = [], [], []
+    for s, name in zip(summaries, names):
         for run, (_, xs, acc, _) in zip([r for r in s["runs"] if r.get("epochs")], curves(s, "epoch")):
-            columns[f"{s['preset']}-seed{run['seed']}"] = dict(zip(xs, acc))
+            keys.append(f"{s['preset']}-seed{run['seed']}")
+            logs.append(name)
+            values.append(dict(zip(xs, acc)))
+    columns = {k + (f"@{extra}" if extra else ""): v for k, extra, v in zip(keys, tell_apart(keys, logs), values)}
     for label, epochs, acc in references:
         columns[label] = dict(zip(epochs, acc))
     epochs = sorted({e for c in columns.values() for e in c})
@@ -64,11 +99,18 @@ RUN_KEYS = ("seed", "runs")  # differ between invocations of one configuration
 
 
 def config_differences(summaries):
-    """Per summary, its settings of the config keys on which the summaries differ (seed and runs aside; keys
-    an older log lacks are not compared), as "key=value" strings: what tells their curves apart."""
+    """Per summary, its settings of the config keys on which the summaries of its preset differ (seed and runs
+    aside; keys an older log lacks are not compared), as "key=value" strings: what tells their curves apart.
+    Another preset's logs are not compared: their preset tells them apart, and its every setting would crowd
+    the legend."""
     configs = [s.get("config", {}) for s in summaries]
-    differ = core.differing_keys(configs, ignore=RUN_KEYS)
-    return [", ".join(f"{k}={show_value(c[k])}" for k in differ) for c in configs]
+    tags = [""] * len(summaries)
+    for preset in {s["preset"] for s in summaries}:
+        mine = [i for i, s in enumerate(summaries) if s["preset"] == preset]
+        differ = core.differing_keys([configs[i] for i in mine], ignore=RUN_KEYS)
+        for i in mine:
+            tags[i] = ", ".join(f"{k}={show_value(configs[i][k])}" for k in differ)
+    return tags
 
 
 def show_value(v):
@@ -104,7 +146,7 @@ def flops_per_run(summary):
 def recipe_points(summaries):
     """One point per recipe the logs trained, in the order first seen. Logs pool as compare_runs.py pools them
     (compare_runs.recipe: seeds, hardware and compilation aside; an option an older log lacks is not compared).
-    Each point: preset, tag (its settings of the options on which recipes of its preset differ), n finished
+    Each point: preset, tag (its settings of the options on which two recipes of its preset differ), n finished
     runs, accuracy mean and std (%), PF per run, hardware. Recipes without a finished run are left out."""
     groups = []  # [recipe, [summaries]]
     for s in summaries:
@@ -118,10 +160,14 @@ def recipe_points(summaries):
             groups.append([r, [s]])
     tags = [""] * len(groups)
     for preset in {r["preset"] for r, _ in groups}:
-        mine = [i for i, (r, _) in enumerate(groups) if r["preset"] == preset]
-        differ = core.differing_keys([groups[i][0] for i in mine], ignore=["preset"])
-        for i in mine:
-            tags[i] = ", ".join(f"{k}={show_value(groups[i][0][k])}" for k in differ)
+        mine = [r for r, _ in groups if r["preset"] == preset]
+        # every key on which two of these recipes differ, not only the keys all of them have: two recipes are
+        # apart by a key both have, which an older log's lack of it must not hide from their labels
+        differ = sorted({k for a, b in itertools.combinations(mine, 2)
+                         for k in core.differing_keys([a, b], ignore=["preset"])})
+        for i, (r, _) in enumerate(groups):
+            if r["preset"] == preset:
+                tags[i] = ", ".join(f"{k}={show_value(r[k])}" for k in differ if k in r)
     points = []
     for (r, logs), tag in zip(groups, tags):
         accs = [100 * run["accuracy"] for s in logs for run in s["runs"] if compare_runs.finished(run)]
@@ -135,17 +181,34 @@ def recipe_points(summaries):
     return points
 
 
+def legend_below(fig, handles, labels, width_in):
+    """One legend for the figure, under its axes: inside them a long legend hides the points, and beside them it
+    squeezes them. Long labels are wrapped, and set in as many columns as fit the figure's width; savefig's
+    bbox_inches="tight" grows the image to hold it."""
+    inch_per_char, marker_in = 0.055, 0.6  # at 7 pt; a line's handle and padding
+    labels = [textwrap.fill(t, int((width_in - marker_in) / inch_per_char), subsequent_indent="    ") for t in labels]
+    longest = max(len(line) for t in labels for line in t.split("\n"))
+    ncol = max(1, min(len(labels), int(width_in // (inch_per_char * longest + marker_in))))
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=ncol, fontsize=7, frameon=False)
+
+
+def point_label(p):
+    """A recipe's mean ± std over its n runs; no ± for one run, whose spread is unknown, not 0."""
+    tag = f" [{p['tag']}]" if p["tag"] else ""
+    spread = f" ± {p['std']:.2f}" if p["n"] > 1 else ""
+    return f"{p['preset']}{tag}: {p['mean']:.2f}{spread}% (n={p['n']})"
+
+
 def plot_flops(points, out, published=PUBLISHED_RECORDS):
-    """Accuracy against training FLOPs: each recipe's mean ± std (labelled with its n), the published records
-    as open diamonds, and the 94/95/96% targets."""
+    """Accuracy against training FLOPs: each recipe's mean ± std (labelled with its n; no bar for one run), the
+    published records as open diamonds, and the 94/95/96% targets."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(9, 6))
     for i, p in enumerate(points):
-        tag = f" [{p['tag']}]" if p["tag"] else ""
-        label = f"{p['preset']}{tag} (n={p['n']})"
-        ax.errorbar(p["pf"], p["mean"], yerr=p["std"], fmt="o", ms=5, capsize=3, color=f"C{i % 10}", label=label)
+        ax.errorbar(p["pf"], p["mean"], yerr=p["std"] if p["n"] > 1 else None, fmt="o", ms=5, capsize=3,
+                    color=f"C{i % 10}", label=point_label(p))
     for i, (name, acc, pf) in enumerate(sorted(published, key=lambda r: r[2])):
         ax.plot(pf, acc, "D", mfc="none", color="0.35", ms=7)
         ax.annotate(name, (pf, acc), textcoords="offset points", xytext=(6, 6 if i % 2 else -11), fontsize=7,
@@ -159,63 +222,66 @@ def plot_flops(points, out, published=PUBLISHED_RECORDS):
     ax.set(xlabel="training FLOPs per run (PF, counted)", ylabel="final test accuracy (%), mean ± std over runs",
            title="recipes of these logs (filled) and published records (open diamonds)")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    legend_below(fig, *ax.get_legend_handles_labels(), fig.get_figwidth())
+    fig.savefig(out, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
-def plot(summaries, out, x="epoch", references=()):
+def plot(summaries, out, x="epoch", references=(), names=None):
+    """The curves of the runs of these logs (names: one per log, see tell_apart) and of the references."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
     targets, lowest = set(), 100.0
-    n = 0
     tags = config_differences(summaries)
+    runs = [(s, tag, name, i, run["seed"], c)
+            for s, tag, name in zip(summaries, tags, names or default_names(summaries))
+            for i, (run, c) in enumerate(zip([r for r in s["runs"] if r.get("epochs")], curves(s, x, tag)))]
+    if not runs:
+        raise LogError("none of the logs has a run with per-epoch rows")
+    # runs of two logs labelled alike but for their accuracy (a seed rerun elsewhere) get their log's name too
+    extras = tell_apart([(s["preset"], tag, seed) for s, tag, _, _, seed, _ in runs], [r[2] for r in runs])
     colours = {}  # with several configurations, one colour per configuration, a line style per run of a log
     styles = ["-", "--", ":", "-."]
-    for s, tag in zip(summaries, tags):
+    for k, ((s, tag, _, i, _, (label, xs, acc, loss)), extra) in enumerate(zip(runs, extras)):
         targets.add(s["config"]["target"])
-        for i, (label, xs, acc, loss) in enumerate(curves(s, x, tag)):
-            pts = [(a, b) for a, b in zip(xs, acc) if not math.isnan(b)]
-            lowest = min([lowest] + [100 * b for _, b in pts])
-            look = dict(marker="o", ms=3, label=label)
-            if any(tags):
-                look.update(color=colours.setdefault(tag, f"C{len(colours) % 10}"), ls=styles[i % len(styles)])
-            ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], **look)
-            ax2.plot(xs, loss, **look)
-            n += 1
-    if not n:
-        raise LogError("none of the logs has a run with per-epoch rows")
+        pts = [(a, b) for a, b in zip(xs, acc) if not math.isnan(b)]
+        lowest = min([lowest] + [100 * b for _, b in pts])
+        # past the 10 colours of the cycle, another line style: the 11th run would look like the 1st
+        look = dict(marker="o", ms=3, label=label + (f" ({extra})" if extra else ""), ls=styles[k // 10 % len(styles)])
+        if any(tags):
+            key = (s["preset"], tag)
+            look.update(color=colours.setdefault(key, f"C{len(colours) % 10}"), ls=styles[i % len(styles)])
+        ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], **look)
+        ax2.plot(xs, loss, **look)
     for label, epochs, acc in references:
         ax.plot(epochs, [100 * a for a in acc], color="0.4", ls=":", marker="x", ms=3, label=f"{label} (published)")
         lowest = min([lowest] + [100 * a for a in acc])
     for t in targets:
         ax.axhline(100 * t, color="k", ls="--", lw=1)
     xlabel = "epoch" if x == "epoch" else "training time (s, the run's timer)"
-    ax.set(xlabel=xlabel, ylabel="test accuracy (%)", title="test accuracy (last point: final, with TTA if the recipe has it)")
+    # two-line titles: on one line each, the two panels' titles ran into each other
+    ax.set(xlabel=xlabel, ylabel="test accuracy (%)")
+    ax.set_title("test accuracy\n(last point: final, with TTA if the recipe has it)", fontsize=10)
     ax.set_ylim(max(0.0, math.floor(min(lowest, *(100 * t for t in targets)) - 1)), 100)
-    ax2.set(xlabel=xlabel, ylabel="training loss", title="training loss (with label smoothing if the recipe has it)")
+    ax2.set(xlabel=xlabel, ylabel="training loss")
+    ax2.set_title("training loss\n(with label smoothing if the recipe has it)", fontsize=10)
     for a in (ax, ax2):
         a.grid(alpha=0.3)
-    entries = n + len(references)
-    if entries <= 10:
-        for a in (ax, ax2):
-            a.legend(fontsize=7)
-    else:  # inside the axes, a long legend would hide the curves: one, to the right of both
-        fig.set_size_inches(14, 4.8)
-        ax2.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0), ncol=math.ceil(entries / 26))
     hardware = sorted({s.get("hardware", "?") for s in summaries})
     fig.suptitle("; ".join(hardware), fontsize=8)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    legend_below(fig, *ax.get_legend_handles_labels(), fig.get_figwidth())  # ax has every run and reference
+    fig.savefig(out, dpi=120, bbox_inches="tight")
     plt.close(fig)
-    return n
+    return len(runs)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    # the first paragraph, whole: its first line alone breaks off mid-sentence
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("logs", nargs="+", help="JSON summaries written by train_cifar.py")
     p.add_argument("--x", choices=["epoch", "time", "flops"], default="epoch",
                    help="x axis: epochs or seconds (curves), or training FLOPs (a point per recipe); default: epoch")
@@ -228,27 +294,26 @@ def main(argv=None):
             raise LogError("reference curves are per epoch and from other hardware: plot them with --x epoch")
         os.makedirs(core.writable_folder(os.path.dirname(a.out) or ".", "--out's folder"), exist_ok=True)
         summaries = [core.read_run_log(path) for path in a.logs]
+        names = [log_name(path, s["preset"]) for path, s in zip(a.logs, summaries)]
         references = [load_reference(path) for path in a.reference]
         if a.x == "flops":
             points = recipe_points(summaries)
             plot_flops(points, a.out)
         else:
-            n = plot(summaries, a.out, a.x, references)
+            n = plot(summaries, a.out, a.x, references, names)
     except (LogError, ValueError) as e:
         print(f"plot_runs.py: error: {e}", file=sys.stderr)
         return 2
     if a.x == "flops":
         for p in points:
-            tag = f" [{p['tag']}]" if p["tag"] else ""
-            print(f"{p['preset']}{tag}: {p['mean']:.2f} ± {p['std']:.2f}% (n={p['n']}) at {p['pf']:.3f} PF; "
-                  + "; ".join(p["hardware"]))
+            print(f"{point_label(p)} at {p['pf']:.3f} PF; " + "; ".join(p["hardware"]))
         print(f"{len(points)} recipes -> {os.path.abspath(a.out)}")
         return 0
     if references:
-        names, rows = comparison(summaries, references)
-        table = core.Table(["epoch"] + names, width=max(10, *(len(c) + 1 for c in names)))
+        columns, rows = comparison(summaries, references, names)
+        table = core.Table(["epoch"] + columns, width=max(10, *(len(c) + 1 for c in columns)))
         for r in rows:
-            cells = {k: "-" if k not in r else "nan" if math.isnan(r[k]) else f"{100 * r[k]:.2f}" for k in names}
+            cells = {k: "-" if k not in r else "nan" if math.isnan(r[k]) else f"{100 * r[k]:.2f}" for k in columns}
             table.row(dict(cells, epoch=r["epoch"]))
     print(f"{n} runs -> {os.path.abspath(a.out)}")
     return 0

@@ -2,6 +2,7 @@ import csv
 import json
 import math
 import os
+import re
 
 import pytest
 
@@ -173,3 +174,124 @@ def test_flops_plot_writes_a_png_and_prints_each_recipe(logged, tmp_path, capsys
     path.write_text(json.dumps(unfinished))
     assert plot_runs.main([str(path), "--x", "flops", "--out", str(tmp_path / "x.png")]) == 2
     assert "none of the logs has a finished run" in capsys.readouterr().err
+
+
+def copy_log(summary, path, **changes):
+    """The log written again under another name (a rerun of its seeds elsewhere), with changes to its summary."""
+    path.write_text(json.dumps(dict(json.loads(json.dumps(summary)), **changes)))
+    return str(path)
+
+
+def drawn_figure(monkeypatch, draw):
+    """The figure draw() saves, kept from plt.close to be inspected."""
+    import matplotlib.pyplot as plt
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    draw()
+    return figures[-1]
+
+
+def legend_labels(fig):
+    legends = fig.legends + [a.get_legend() for a in fig.axes if a.get_legend()]
+    return [[t.get_text() for t in lg.get_texts()] for lg in legends]
+
+
+def test_runs_of_different_logs_alike_are_told_apart(logged, tmp_path, capsys, monkeypatch):
+    """The same seeds in another log (a rerun on other hardware) and one log given twice: every run keeps a
+    column of its own in the table and an entry of its own in the legend; none overwrites another."""
+    summary = core.read_run_log(logged[0])
+    rerun = copy_log(summary, tmp_path / "resnet9-20990101-000000-1.json", hardware="another machine")
+    ref = write_reference(tmp_path / "published.tsv", [(1, 0.5)])
+    out = str(tmp_path / "runs.png")
+    fig = drawn_figure(monkeypatch, lambda: plot_runs.main([logged[0], rerun, logged[0], "--reference", ref,
+                                                            "--out", out]))
+    lines = capsys.readouterr().out.splitlines()
+    header = lines[0].split()
+    assert len(set(header)) == len(header) == 8  # epoch, 6 runs, the reference
+    for labels in legend_labels(fig):
+        assert len(labels) == len(set(labels)) == 7
+    first = plot_runs.log_name(logged[0], "resnet9")
+    assert header == ["epoch"] + [f"resnet9-seed{s}@{n}" for n in (f"{first}#1", "20990101-000000-1", f"{first}#2")
+                                  for s in (0, 1)] + ["published"]
+    assert lines[-1].startswith("6 runs -> ")
+    # each run's column holds its own accuracy: the rerun's epoch 2 is the logged run's
+    row = dict(zip(header, lines[2].split()))
+    assert row["resnet9-seed1@20990101-000000-1"] == f"{100 * summary['runs'][1]['epochs'][1]['test_acc']:.2f}"
+    assert plot_runs.tell_apart(["a", "b", "a", "a"], ["x", "y", "z", "z"]) == ["x", "", "z#1", "z#2"]
+
+
+def test_flops_labels_tell_recipes_apart_by_keys_an_older_log_lacks(logged):
+    """Two recipes apart only by an option an older log lacks: the option must be in their labels, though the
+    older log's recipe does not show it."""
+    summary = core.read_run_log(logged[0])
+    other = json.loads(json.dumps(summary))
+    other["config"]["cutout"] = summary["config"]["cutout"] + 4
+    older = json.loads(json.dumps(summary))
+    del older["config"]["cutout"]
+    older["config"]["epochs"] = 4
+    tags = [p["tag"] for p in plot_runs.recipe_points([summary, other, older])]
+    cutout = summary["config"]["cutout"]
+    assert tags == [f"cutout={cutout}, epochs=3", f"cutout={cutout + 4}, epochs=3", "epochs=4"]
+
+
+def test_one_run_has_no_spread(logged, tmp_path, capsys, monkeypatch):
+    """The std of one run is undefined, not 0: no ± in the table, no error bar in the plot."""
+    summary = core.read_run_log(logged[0])
+    single = copy_log(summary, tmp_path / "single.json", runs=summary["runs"][:1])
+    fig = drawn_figure(monkeypatch, lambda: plot_runs.main([single, "--x", "flops", "--out", str(tmp_path / "x.png")]))
+    out = capsys.readouterr().out
+    assert f"resnet9: {100 * summary['runs'][0]['accuracy']:.2f}% (n=1) at " in out and "±" not in out
+    (container,) = fig.axes[0].containers
+    assert not container.lines[2]  # no error bar
+
+
+def overlap(a, b):
+    return a.get_window_extent().overlaps(b.get_window_extent())
+
+
+@pytest.mark.parametrize("copies", [1, 6])
+def test_figures_stay_readable(logged, tmp_path, monkeypatch, copies):
+    """The panel titles do not run into each other, the legend covers neither panel (however many lines), and
+    each panel keeps its width; another preset's settings are not listed in each label."""
+    summary = core.read_run_log(logged[0])
+    logs = []
+    for i in range(copies):  # each in another configuration: labels as long as a sweep's
+        config = dict(summary["config"], cutout=i, batch_size=50 + i, weight_decay=0.0005 * i,
+                      widths=[8 + i, 16, 16, 16], label_smoothing=0.05 * i)
+        logs.append(copy_log(summary, tmp_path / f"resnet9-{i}.json", config=config))
+    fig = drawn_figure(monkeypatch, lambda: plot_runs.main(logs + ["--out", str(tmp_path / "runs.png")]))
+    fig.canvas.draw()
+    ax, ax2 = fig.axes
+    assert not overlap(ax.title, ax2.title)
+    legends = fig.legends + [a.get_legend() for a in fig.axes if a.get_legend()]
+    assert legends and not any(overlap(lg, a) for lg in legends for a in (ax, ax2))
+    assert all(a.get_position().width * fig.get_figwidth() > 4 for a in (ax, ax2))  # inches
+    fig = drawn_figure(monkeypatch, lambda: plot_runs.main(logs + ["--x", "flops", "--out", str(tmp_path / "f.png")]))
+    fig.canvas.draw()
+    assert not any(overlap(lg, fig.axes[0]) for lg in fig.legends + [fig.axes[0].get_legend()] if lg)
+    other = json.loads(json.dumps(summary))
+    other.update(preset="resnet9-tricks")
+    other["config"].update(epochs=10, cutout=0)
+    assert plot_runs.config_differences([summary, other]) == ["", ""]
+
+
+def test_help_describes_the_script_in_whole_sentences(capsys):
+    with pytest.raises(SystemExit):
+        plot_runs.main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert ("per epoch or against time, one line per run, with the target and each log's preset and seed in the"
+            " legend. positional arguments") in help_text
+
+
+def test_documented_reference_commands_plot_one_preset():
+    """A --reference command in the docs compares one preset's runs with the curve it reproduces: its glob must
+    not take another preset's logs too (logs/resnet9-*.json also matches resnet9-tricks's)."""
+    import glob
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        docs = f.read() + plot_runs.__doc__
+    commands = re.findall(r"python plot_runs\.py ([^`\n]*--reference[^`\n]*)", docs)
+    assert commands
+    for command in commands:
+        patterns = [w for w in command.split() if w.endswith(".json")]
+        presets = {core.read_run_log(p)["preset"] for w in patterns for p in glob.glob(os.path.join(REPO, w))}
+        assert len(presets) == 1, (command, presets)
