@@ -23,6 +23,9 @@ import core  # noqa: E402
 import torch_backend as tb  # noqa: E402
 
 
+INSTALL = {"jemalloc": "libjemalloc2", "tcmalloc": "libtcmalloc-minimal4"}  # Debian/Ubuntu packages
+
+
 def allocators():
     """name -> extra environment, for the allocators present on this machine."""
     out = {"glibc": {}, "glibc-hugetlb": {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}}
@@ -60,6 +63,10 @@ def main():
     if missing:
         p.error(f"allocator(s) not found on this machine: {', '.join(missing)} (found: {', '.join(found)}); "
                 "e.g. apt-get install libjemalloc2 libtcmalloc-minimal4")
+    skipped = [n for n in INSTALL if n not in found]
+    if not a.allocators and skipped:  # said, so that a table without them is not read as all there is
+        print(f"note: skipping {', '.join(skipped)}, not found on this machine; to time "
+              f"{'them' if len(skipped) > 1 else 'it'}: apt-get install {' '.join(INSTALL[n] for n in skipped)}")
     date = core.utc_timestamp()
     table = core.Table(["allocator", "preset", "img/s", "±", "speed-up"], width=13)
     base = {}

@@ -10,9 +10,9 @@ unfolded input (tb.SmallMapConv), which is the evidence for where tb.Conv2d take
 Random data of each conv's shape (layouts as in a run: channels-last, the autocast dtype); mean ± std over repeats
 after a warm-up. dgrad is skipped where a run needs none (the first conv's input is the data), wgrad where the
 weights are frozen (the whitening conv), the matmul where SmallMapConv does not apply (strided or biased convs).
-The step totals add each part's kernel as a run with --cpu-conv matmul picks it, and oneDNN's alone (--cpu-conv
-auto, the default, takes the former on AMX CPUs and the latter elsewhere).
-Writes logs/bench_convs-*.json."""
+The step totals add each part's kernel as a run with --cpu-conv matmul picks it (on any CPU, whatever auto takes
+there), and oneDNN's alone; --cpu-conv auto, the default, takes the former on AMX CPUs and the latter elsewhere,
+and the log's cpu_conv_auto names the one it takes on this CPU. Writes logs/bench_convs-*.json."""
 import argparse
 import os
 import sys
@@ -96,11 +96,14 @@ def main():
     cfg = train_cifar.make_config(a.preset)
     precision = tb.resolve_precision(cfg["precision"], device)
     batch_size = a.batch_size or cfg["batch_size"]
-    model = train_cifar.build_model(cfg, device)
+    # the kernels --cpu-conv matmul picks, not this CPU's auto choice (oneDNN's without AMX), so the `*` and the
+    # second total say what the matmuls would give here
+    model = train_cifar.build_model(dict(cfg, cpu_conv="matmul"), device)
     info = dict(preset=a.preset, hardware=tb.device_name(device), torch=torch.__version__, commit=core.git_commit(),
                 date=core.utc_timestamp(),
                 precision=precision, batch_size=batch_size, image_size=a.image_size, repeats=a.repeats,
-                threads=torch.get_num_threads())
+                threads=torch.get_num_threads(),
+                cpu_conv_auto=tb.resolve_cpu_conv("auto") if device.type == "cpu" else None)
     print(f"{a.preset}, batch {batch_size}, {a.image_size} px, {precision}; {info['hardware']}, "
           f"torch {torch.__version__}")
     parts = ("fwd", "dgrad", "wgrad")
@@ -134,6 +137,9 @@ def main():
         total = sum(tot.values())
         print(f"conv time per step, {label}: " + ", ".join(f"{k} {1e3 * v:.0f} ms ({100 * v / total:.0f}%)"
                                                            for k, v in tot.items()) + f"; all {1e3 * total:.0f} ms")
+    if info["cpu_conv_auto"]:
+        print(f"(--cpu-conv auto, the default, takes {info['cpu_conv_auto']} on this CPU: "
+              + ("it has AMX)" if info["cpu_conv_auto"] == "matmul" else "no AMX, so oneDNN's kernels alone)"))
     if a.log_dir:
         path = core.stamped_log_path(a.log_dir, f"bench_convs-{a.preset}", info["date"])
         core.write_json_atomic(path, dict(info, results=results, seconds_per_step=totals["onednn"],

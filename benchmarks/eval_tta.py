@@ -6,8 +6,8 @@ with the mirror (2 views), with mirror and translate (6 views), and with the 6 v
     python benchmarks/eval_tta.py run0.pt run1.pt [--confidences 0.5 0.7 0.9] [--repeats 3]
 
 Each checkpoint's net is evaluated as its run evaluated it (the EMA weights where it kept one), and the accuracy
-with the run's own TTA is checked against the one its run logged. Times are mean ± std over repeats, after a
-plain pass over the test set that also gives each image's confidence.
+with the run's own TTA is checked against the one its run logged, before anything is timed. Times are mean ± std
+over repeats, after a plain pass over the test set that also gives each image's confidence.
 
 --view-sets also compares sets of views beyond the 6 (more one-pixel shifts, two-pixel shifts, other weights; see
 VIEW_SETS), on every test image. Each distinct view's logits are computed once per net and each set's average is
@@ -27,8 +27,8 @@ import train_cifar  # noqa: E402
 
 
 def load_trained(path, device):
-    """(cfg, precision, net as its run evaluated it, seed, logged final accuracy) from a finished run's
-    checkpoint."""
+    """(cfg, precision, net as its run evaluated it, seed, logged final accuracy, fingerprint of the data it ran on
+    or None) from a finished run's checkpoint."""
     state = train_cifar.load_checkpoint(path, device)
     if state["result"]["accuracy"] is None or state["result"].get("stopped_after_epoch"):
         raise ValueError(f"{path} holds a run that has not finished (after epoch {state['epoch']})")
@@ -39,7 +39,28 @@ def load_trained(path, device):
     model.load_state_dict(state["model"])
     if state.get("ema") is not None:
         train_cifar.WeightAverage(model).load(state["ema"])
-    return cfg, state["precision"], model, state["seed"], state["result"]["accuracy"]
+    return cfg, state["precision"], model, state["seed"], state["result"]["accuracy"], state.get("data")
+
+
+def check_own_accuracy(path, cfg, model, data, precision, device, logged, fingerprint):
+    """Exits unless the run's own evaluation gives the accuracy its run logged, i.e. this is that net on that
+    test set (kernels may round a few images differently, not more); before any timing, which takes minutes."""
+    accuracy = train_cifar.evaluate(model, data, precision, device, cfg["tta"],
+                                    tta_confidence=cfg.get("tta_confidence", 0.0))
+    if abs(accuracy - logged) <= 1e-3:
+        return
+    confidence = cfg.get("tta_confidence") or 0.0
+    name = ("plain", "mirror", "6 views")[cfg["tta"]] + (f" if p<{confidence:g}" if cfg["tta"] and confidence else "")
+    here = train_cifar.data_fingerprint(data) if fingerprint else None
+    if cfg.get("holdout"):
+        why = f"its run evaluated {cfg['holdout']} images held out of the training set (holdout), not the test set"
+    elif here and any(here[k] != fingerprint[k] for k in ("test_x", "test_y")):
+        why = "its test set is not the one the run evaluated: pass the --data it ran on"
+    elif here:
+        why = "the test set is the run's, so the net differs: another checkpoint, or another code version?"
+    else:  # (checkpoints from before the data's fingerprint was saved)
+        why = "other data than its run's (pass the --data it ran on), or another net or checkpoint?"
+    sys.exit(f"error: {path}: {name} gives {accuracy:.4f} but its run logged {logged:.4f}: {why}")
 
 
 DIAGONAL = [(1, 1), (-1, -1), (1, -1), (-1, 1)]
@@ -123,12 +144,13 @@ def main():
         print(f"log: {log_path} (written after every net)")
     for path in a.checkpoints:
         try:
-            cfg, precision, model, seed, logged = load_trained(path, device)
+            cfg, precision, model, seed, logged, fingerprint = load_trained(path, device)
         except ValueError as e:  # (its message names the file)
             p.error(str(e))
         except KeyError as e:
             p.error(f"{path}: a checkpoint without {e}, from an older train_cifar.py?")
         data = tb.to_device(raw, device, tb.DTYPES[precision], pad=cfg["pad"])
+        check_own_accuracy(path, cfg, model, data, precision, device, logged, fingerprint)
         plain = tb.predict(model, data["test_x"], precision, device)
         top = plain.softmax(1).amax(1)
         for name, level, confidence in modes(a.confidences):
@@ -145,10 +167,6 @@ def main():
             row = dict(checkpoint=os.path.basename(path), seed=seed, mode=name, tta=level, tta_confidence=confidence,
                        accuracy=accuracy, tta_share=share, seconds=core.mean_std(seconds))
             table.row(dict(row, seconds=row["seconds"][0], **{"±": row["seconds"][1]}))
-            # the run's own evaluation again: a check that this is the net the run evaluated (kernels may round
-            # a few images differently, not more)
-            if level == cfg["tta"] and confidence == cfg.get("tta_confidence", 0.0) and abs(accuracy - logged) > 1e-3:
-                sys.exit(f"error: {path}: {name} gives {accuracy:.4f} but its run logged {logged:.4f}")
             results.append(row)
         if a.view_sets:
             sets = view_set_accuracies(model, data["test_x"], data["test_y"], precision, device, sync)

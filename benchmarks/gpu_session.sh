@@ -18,13 +18,18 @@
 # issues' presets if time is left.
 # GIT_COMMIT names the commit in the logs where the tree has no .git. Then: tar -xzf gpu-logs.tar.gz -C logs/
 # DRY_RUN=FILE writes each step's command to FILE, one per line, instead of running anything (tests/test_gpu_session.py
-# checks them on a CPU, so that a lease is not spent on a misspelt option).
+# checks them on a CPU, so that a lease is not spent on a misspelt option); it writes nothing else and needs no OUT
+# or DATA (an unset DATA is listed as $DATA).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-: "${OUT:?set OUT to the folder that comes back}"
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=/tmp/inductor  # kept on the machine between calls
-LOGS=$([ -n "${DRY_RUN:-}" ] && echo /tmp/gpu-session-dry-run || mktemp -d)
-REPORT="$OUT/gpu-session.txt"
+if [ -n "${DRY_RUN:-}" ]; then
+    # shellcheck disable=SC2016  # a literal $DATA: a placeholder in the listed commands
+    LOGS=/tmp/gpu-session-dry-run REPORT=/dev/null DATA=${DATA:-'$DATA'}
+else
+    : "${OUT:?set OUT to the folder that comes back}"
+    LOGS=$(mktemp -d) REPORT="$OUT/gpu-session.txt"
+fi
 
 step() {  # step NAME SECONDS COMMAND...: run (killed after SECONDS), keep its output, pack the logs so far
     local name=$1 limit=$2; shift 2

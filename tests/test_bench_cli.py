@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from conftest import synthetic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import bench_allocator  # noqa: E402
 import bench_ddp  # noqa: E402
 import bench_presets  # noqa: E402
 
@@ -151,3 +153,19 @@ def test_bench_ddp_times_the_net_a_run_builds(monkeypatch, capsys):
                                       "--set=bn_group_size=10"])
     bench_ddp.main()
     assert groups == [10] and "img/s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("chosen", [[], ["--allocators", "glibc"]])
+def test_bench_allocator_says_which_allocators_it_skips(tmp_path, monkeypatch, capsys, chosen):
+    """Without --allocators, one not installed was left out of the table silently (tcmalloc, here)."""
+    import torch_backend as tb
+    monkeypatch.setattr(tb, "find_allocator_library", lambda name: "/lib/libjemalloc.so.2" if name == "jemalloc"
+                        else None)
+    timed = []  # the allocators' runs: the first fails, which ends the benchmark before anything is timed
+    monkeypatch.setattr(bench_allocator, "subprocess", types.SimpleNamespace(run=lambda cmd, env, **kw: (
+        timed.append(env.get("LD_PRELOAD")), types.SimpleNamespace(returncode=1, stderr="stopped"))[1]))
+    monkeypatch.setattr(sys, "argv", ["bench_allocator.py", *chosen, "--out", str(tmp_path / "a.jsonl")])
+    with pytest.raises(SystemExit, match="glibc: bench_presets.py failed"):
+        bench_allocator.main()
+    note = "note: skipping tcmalloc, not found on this machine; to time it: apt-get install libtcmalloc-minimal4"
+    assert (note in capsys.readouterr().out) == (not chosen) and timed == [None]

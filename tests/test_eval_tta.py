@@ -34,7 +34,7 @@ def test_eval_tta_reproduces_the_runs_own_accuracy_and_each_mode(tmp_path, prese
     assert r.returncode == 0, r.stderr
     rows = {row["mode"]: row for row in json.load(open(next(logs.iterdir())))["results"]}
     assert list(rows) == [name for name, *_ in eval_tta.modes([0.3, 1.0])]
-    cfg, precision, model, seed, logged = eval_tta.load_trained(str(ckpt), CPU)
+    cfg, precision, model, seed, logged, _ = eval_tta.load_trained(str(ckpt), CPU)
     assert seed == 0 and logged == summary["runs"][0]["accuracy"]
     on_device = tb.to_device(data, CPU, torch.float32, pad=cfg["pad"])
     own = {0: "plain", 1: "mirror", 2: "6 views"}[cfg["tta"]]
@@ -45,6 +45,34 @@ def test_eval_tta_reproduces_the_runs_own_accuracy_and_each_mode(tmp_path, prese
     top = plain.softmax(1).amax(1)
     assert rows["6v if p<0.3"]["tta_share"] == pytest.approx((top < 0.3).float().mean().item())
     assert rows["6v if p<1"]["accuracy"] == rows["6 views"]["accuracy"]
+
+
+def test_eval_tta_checks_the_runs_own_accuracy_before_timing_and_says_why_it_differs(tmp_path):
+    """On other data it timed every mode first (about 50 s on CIFAR-10), then said only that the accuracies
+    differ; the checkpoint's data fingerprint tells other data from another net."""
+    data = synthetic(200, 100)
+    npz, ckpt = tmp_path / "tiny.npz", tmp_path / "run.pt"
+    np.savez(npz, **data)
+    train_cifar.train("fast94", data=data, checkpoint=str(ckpt), **TINY)
+    cfg, precision, model, _, logged = eval_tta.load_trained(str(ckpt), CPU)[:5]
+    state = torch.load(ckpt, weights_only=False)
+    assert state["data"] is not None and logged < 0.8
+    x = tb.to_device(data, CPU, torch.float32, pad=cfg["pad"])["test_x"]
+    labels = tb.predict(model, x, precision, CPU, tta=cfg["tta"], tta_confidence=cfg["tta_confidence"]).argmax(1)
+    labels[:10] = torch.arange(10)  # every class present; at least 90% right there
+    np.savez(tmp_path / "other.npz", **dict(data, test_y=labels.numpy()))
+    state["result"]["accuracy"] = (logged + 0.5) % 1  # as if another net had been logged
+    torch.save(state, tmp_path / "other-net.pt")
+    del state["data"]  # a checkpoint from before the fingerprint was saved
+    torch.save(state, tmp_path / "old.pt")
+    for run, npz_used, why in [(ckpt, "other.npz", "its test set is not the one the run evaluated: pass the --data"),
+                               ("other-net.pt", "tiny.npz", "the test set is the run's, so the net differs"),
+                               ("old.pt", "tiny.npz", "other data than its run's (pass the --data it ran on), or ")]:
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "eval_tta.py"), str(run), "--data",
+                            npz_used, "--confidences", "0.5", "--repeats", "1", "--log-dir", ""],
+                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        assert r.returncode != 0 and "plain" not in r.stdout, "a mode was timed before the check"
+        assert f"{run}: 6 views " in r.stderr and " but its run logged " in r.stderr and why in r.stderr
 
 
 def test_eval_tta_refuses_an_unfinished_run(tmp_path):

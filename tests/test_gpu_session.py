@@ -17,10 +17,13 @@ PLANNED_VARIANT = "--epochs 52 --train-sizes " + "24 " * 15 + "32"  # a fast96 s
 
 def dry_run(tmp_path, mode, **env):
     listing = tmp_path / f"commands-{mode or 'main'}"
-    environment = dict(os.environ, DRY_RUN=str(listing), OUT=str(tmp_path), DATA=str(tmp_path / "c.npz"), **env)
+    environment = dict(os.environ, DRY_RUN=str(listing), OUT=str(tmp_path), DATA=str(tmp_path / "c.npz"))
+    environment.update(env)
+    environment = {k: v for k, v in environment.items() if v is not None}  # None: unset
     r = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_session.sh"), *([mode] if mode else [])],
                        env=environment, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+    assert os.listdir(tmp_path) == [listing.name], "a dry run writes nothing but its listing"
     return [shlex.split(line) for line in listing.read_text().splitlines()]
 
 
@@ -69,6 +72,15 @@ def test_every_command_of_the_gpu_session_is_accepted(tmp_path, mode, env):
             assert all(os.path.exists(os.path.join(ROOT, w)) for w in words[3:] if w.endswith(".py"))
         else:
             pytest.fail(f"no check for {words}")
+
+
+@pytest.mark.parametrize("mode", ["smoke", "", "screen"])
+def test_a_dry_run_needs_no_out_or_data(tmp_path, mode):
+    """It writes nothing there and reads no data, yet stopped at "set OUT ..." and then "set DATA ..."."""
+    commands = dry_run(tmp_path, mode, OUT=None, DATA=None)
+    assert commands and all("--data" not in words or "$DATA" in words or "/tmp/random-cifar.npz" in words
+                            for words in commands)
+    assert mode == "smoke" or any("$DATA" in words for words in commands)  # a placeholder where DATA goes
 
 
 def test_the_planned_fast96_variant_stays_within_its_flops():
