@@ -89,6 +89,7 @@ SEARCH_SPACE = {
 LR_REFERENCE_BATCH = 256
 LR_WINDOW_EXPONENT = 0.75
 EDGE_FRACTION = 0.1  # a best LR in the outer 10% (log scale) of its window is flagged: widen the search space
+CIFAR10_TRAIN_IMAGES = 50000  # planned with before the data is loaded; the run checks the real count again
 
 # Regime tolerances (see analyse()).
 PERFECT_TOL = 0.25   # perfect scaling: best steps at most 25% above the ideal line steps = s0 * b0 / b
@@ -369,6 +370,21 @@ def shard_path(out, shard):
     return os.path.join(out, "trials.jsonl" if shard is None else f"trials-shard{shard[0]}of{shard[1]}.jsonl")
 
 
+def settings_difference(there, here):
+    """The settings that differ, each with both values ("target 0.8 there, 0.15 here"); nested ones (--set
+    options) by dotted key. The whole dicts hold ~20 keys and hid the one that mattered."""
+    if not isinstance(there, dict):
+        return "none recorded there"
+
+    def flat(d, prefix=""):
+        for k, v in d.items():
+            yield from flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(prefix + k, v)]
+    a, b = dict(flat(there)), dict(flat(here))
+    show = lambda d, k: str(d[k]) if k in d else "unset"  # noqa: E731
+    return "; ".join(f"{k} {show(a, k)} there, {show(b, k)} here" for k in sorted(a.keys() | b.keys())
+                     if k not in a or k not in b or a[k] != b[k])
+
+
 def run_study(specs, trial_fn, path, settings, log=print, others=()):
     """Runs the specs whose key is not yet in `path` (or in `others`, the records of other shards), appending
     each record to `path` as soon as it finishes; returns the records of `path`. A KeyboardInterrupt loses only
@@ -378,7 +394,8 @@ def run_study(specs, trial_fn, path, settings, log=print, others=()):
     known = records + list(others)
     other = [r for r in known if r.get("settings") != settings]
     if other:
-        raise StudyError(f"{path} holds trials with other settings ({other[0].get('settings')}); use another --out")
+        raise StudyError(f"{path} holds trials with other settings "
+                         f"({settings_difference(other[0].get('settings'), settings)}); use another --out")
     done = {trial_key(r) for r in known}
     todo = [s for s in specs if trial_key(s) not in done]
     log(f"{len(done)} finished trial(s) in {os.path.dirname(path) or '.'}, {len(todo)} of this run's to go")
@@ -481,9 +498,14 @@ def analyse(points, perfect_tol=PERFECT_TOL, useful_tol=USEFUL_TOL):
     return result
 
 
+UNDECIDED = "undecided"
+
+
 def lr_trend(batch_sizes, lrs):
     """Least-squares slope of log(best lr) against log(batch size), its standard error, and which scaling rule
-    it is closer to: 1 (linear, Goyal et al. 2017) or 0.5 (square root, Krizhevsky 2014)."""
+    it is closer to: 1 (linear, Goyal et al. 2017) or 0.5 (square root, Krizhevsky 2014). UNDECIDED where the
+    slope prints as 0.75, halfway (2 batch sizes put it there when both best trials are the same point of the
+    window, which slides as batch^0.75), or where 0.75 lies within slope ± its standard error."""
     pts = [(b, lr) for b, lr in zip(batch_sizes, lrs) if lr is not None and lr > 0]
     if len(pts) < 2:
         return dict(n=len(pts), slope=None, stderr=None, intercept=None, closer_to=None)
@@ -493,7 +515,8 @@ def lr_trend(batch_sizes, lrs):
     if len(pts) > 2:
         resid = y - (slope * x + intercept)
         stderr = float(math.sqrt(resid @ resid / (len(pts) - 2) / ((x - x.mean()) @ (x - x.mean()))))
-    closer = "linear (1)" if abs(slope - 1) < abs(slope - 0.5) else "square root (0.5)"
+    halfway = round(slope, 2) == 0.75 or (stderr is not None and abs(slope - 0.75) <= stderr)
+    closer = UNDECIDED if halfway else "linear (1)" if slope > 0.75 else "square root (0.5)"
     return dict(n=len(pts), slope=float(slope), stderr=stderr, intercept=float(intercept), closer_to=closer)
 
 
@@ -554,8 +577,13 @@ def report(rows, regimes, trend, log=print):
     for name, t in trend.items():
         if t.get("slope") is not None:
             se = f" ± {t['stderr']:.2f}" if t["stderr"] is not None else ""
+            tie = round(t["slope"], 2) == 0.75
+            verdict = (f"closer to {t['closer_to']}" if t["closer_to"] != UNDECIDED else
+                       "undecided: 0.75 is halfway between square root (0.5) and linear (1)" if tie else
+                       "undecided: 0.75, halfway between square root (0.5) and linear (1), lies within one "
+                       "standard error")
             log(f"best lr_eff ~ batch^{t['slope']:.2f}{se} over {t['n']} batch sizes ({name.replace('_', ' ')}): "
-                f"closer to {t['closer_to']}")
+                + verdict)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -694,6 +722,8 @@ def study_settings(workload="cpu", optimizer="nesterov", target=None, eval=None,
         raise StudyError(f"--holdout must be at least 1 with --eval holdout, got {holdout}")
     if train_subset < 0:
         raise StudyError(f"--train-subset must be >= 0 (0: all), got {train_subset}")
+    if train_subset > CIFAR10_TRAIN_IMAGES:  # (trained on all of them while the settings recorded N)
+        raise StudyError(f"--train-subset {train_subset} exceeds CIFAR-10's {CIFAR10_TRAIN_IMAGES} training images")
     overrides = dict(w["overrides"], **(overrides or {}))
     pick = lambda v, k: v if v is not None else w[k]  # noqa: E731
     epochs, min_steps = pick(epochs, "epochs"), pick(min_steps, "min_steps")
@@ -710,6 +740,38 @@ def study_settings(workload="cpu", optimizer="nesterov", target=None, eval=None,
                 search_space={k: list(v) for k, v in space.items()}, lr_window_exponent=lr_window_exponent,
                 lr_reference_batch=LR_REFERENCE_BATCH, train_subset=train_subset,
                 overrides={k: list(v) if isinstance(v, tuple) else v for k, v in sorted(overrides.items())})
+
+
+# Named by describe_settings itself; any other option given with --set follows as key=value.
+DESCRIBED_OPTIONS = {"widths"}
+
+
+def describe_settings(settings):
+    """What every trial trains, from the effective train_cifar config and study settings (after --set, --target,
+    --holdout, ...), not the workload's description: a header restating defaults misled about what ran."""
+    import train_cifar
+    w = WORKLOADS[settings["workload"]]
+    overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in settings["overrides"].items()}
+    cfg = train_cifar.make_config(settings["preset"], **overrides)
+    net = settings["preset"] + (" net at widths " + "/".join(map(str, cfg["widths"])) if cfg["widths"] else "")
+    where = (f"on a {settings['holdout']}-image holdout" if settings["eval"] == "holdout" else "on the test set")
+    given = [k for k in sorted(overrides) if k not in DESCRIBED_OPTIONS
+             and (k not in w["overrides"] or list_form(w["overrides"][k]) != list_form(overrides[k]))]
+    return ", ".join([net, f"{settings['target'] * 100:g}% {where}",
+                      f"budget max({settings['epochs']:g} epoch{'s' if settings['epochs'] != 1 else ''}, "
+                      f"{settings['min_steps']} steps)",
+                      f"{settings['evals_per_trial']} evaluations per budget"]
+                     + [f"{k}={cfg[k]}" for k in given])
+
+
+def list_form(v):
+    return [list_form(u) for u in v] if isinstance(v, (list, tuple)) else v
+
+
+def study_header(args):
+    return (f"study: {args.workload} ({describe_settings(args.settings)}), {args.optimizer} "
+            f"({OPTIMIZERS[args.optimizer].about}), batch sizes {' '.join(map(str, args.batch_sizes))}, "
+            f"{args.trials} trials each")
 
 
 def parse_args(argv):
@@ -783,9 +845,10 @@ def parse_args(argv):
                                      f"{b} out of floating-point range")
             # at most this many (the real data may hold fewer: the run checks again with it in hand)
             holdout = args.settings["holdout"]
-            n_train = (args.train_subset or 50000) - holdout
+            n_train = (args.train_subset or CIFAR10_TRAIN_IMAGES) - holdout
             if n_train < max(args.batch_sizes):
-                source = f"--train-subset {args.train_subset}" if args.train_subset else "CIFAR-10's 50000"
+                source = (f"--train-subset {args.train_subset}" if args.train_subset else
+                          f"CIFAR-10's {CIFAR10_TRAIN_IMAGES}")
                 held = f" less a holdout of {holdout}" if holdout else ""
                 raise StudyError(f"{n_train} training images ({source}{held}) are too few for batch sizes up to "
                                  f"{max(args.batch_sizes)}")
@@ -802,7 +865,8 @@ def parse_args(argv):
 def cmd_run(parser, args):
     settings = args.settings
     if args.dry_run:
-        n = (args.train_subset or 50000) - settings["holdout"]
+        print(study_header(args), flush=True)
+        n = (args.train_subset or CIFAR10_TRAIN_IMAGES) - settings["holdout"]
         for spec in plan(settings, args.batch_sizes, args.trials, n, args.shard, args.trial_order):
             print(f"b={spec['batch_size']:<5} trial {spec['trial']}: {describe_params(spec['params'])}; budget "
                   f"{spec['budget_steps']} steps ({spec['budget_epochs']:.2f} epochs), eval every "
@@ -816,6 +880,9 @@ def cmd_run(parser, args):
         data = tb.load_cifar10(args.data or train_cifar.default_data_path())
     except (ValueError, tb.DataError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    if args.train_subset > len(data["train_y"]):  # (trained on all of them while the settings recorded N)
+        parser.exit(2, f"{parser.prog}: error: --train-subset {args.train_subset} exceeds the "
+                       f"{len(data['train_y'])} training images in {args.data or train_cifar.default_data_path()}\n")
     if args.train_subset:  # a random subset: the training set is sorted by class
         keep = np.random.default_rng(0).permutation(len(data["train_y"]))[:args.train_subset]
         data = dict(data, train_x=data["train_x"][keep], train_y=data["train_y"][keep])
@@ -832,9 +899,7 @@ def cmd_run(parser, args):
     except ValueError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     others = [r for p in trial_files(args.out) if p != path for r in read_trials(p)]
-    print(f"study: {args.workload} ({w['about']}), {args.optimizer} ({OPTIMIZERS[args.optimizer].about}), "
-          f"target {settings['target']:g} on the {settings['eval']} set, batch sizes "
-          f"{' '.join(map(str, args.batch_sizes))}, {args.trials} trials each, on {tb.device_name(device)}", flush=True)
+    print(f"{study_header(args)}, on {tb.device_name(device)}", flush=True)
     log = print if args.verbose else (lambda *a: None)
     status = "complete"
     try:

@@ -57,6 +57,41 @@ WORKLOADS = {
 }
 
 
+CIFAR10_TRAIN_IMAGES = 50000  # checked before any work; the real count again once the data is loaded
+
+# Named by describe_config itself (or set per run by the study); any other --set option follows as key=value.
+DESCRIBED_OPTIONS = {"widths", "batch_size", "epochs", "target", "tta", "eval_every_steps", "echo", "echo_factor",
+                     "pipeline", "echo_shuffle_buffer"}
+
+
+def describe_config(cfg, given=(), budget="steps"):
+    """What every run trains, from its effective train_cifar config (after --set and --target), not the workload's
+    description: a header restating the defaults misled about what ran. given: the --set keys."""
+    net = cfg["preset"] + (" at widths " + "/".join(map(str, cfg["widths"])) if cfg["widths"] else "")
+    epochs = f"{cfg['epochs']:g} epoch{'s' if cfg['epochs'] != 1 else ''}"
+    epochs += " (x e at echo factor e)" if budget == "fresh" else ""
+    bits = [net, f"batch {cfg['batch_size']}", epochs,
+            f"{cfg['target'] * 100:g}% " + ("with TTA at the end" if cfg["tta"] else "without TTA")]
+    if cfg["eval_every_steps"]:
+        bits.append(f"evaluated every {cfg['eval_every_steps']} steps")
+    return ", ".join(bits + [f"{k}={cfg[k]}" for k in sorted(given) if k not in DESCRIBED_OPTIONS])
+
+
+def settings_difference(there, here):
+    """The settings that differ, each with both values ("target 0.8 there, 0.15 here"); nested ones (--set
+    options) by dotted key. The whole dicts hold ~20 keys and hid the one that mattered."""
+    if not isinstance(there, dict):
+        return "none recorded there"
+
+    def flat(d, prefix=""):
+        for k, v in d.items():
+            yield from flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(prefix + k, v)]
+    a, b = dict(flat(there)), dict(flat(here))
+    show = lambda d, k: str(d[k]) if k in d else "unset"  # noqa: E731
+    return "; ".join(f"{k} {show(a, k)} there, {show(b, k)} here" for k in sorted(a.keys() | b.keys())
+                     if k not in a or k not in b or a[k] != b[k])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # R = t_upstream / t_downstream
 
@@ -358,6 +393,8 @@ def parse_args(argv):
         p.error("factors must be >= 1 and --seeds >= 1")
     if args.train_subset < 0 or args.r_batches < 1:
         p.error("--train-subset must be >= 0 (0: all) and --r-batches >= 1")
+    if args.train_subset > CIFAR10_TRAIN_IMAGES:  # (trained on all of them while the settings recorded N)
+        p.error(f"--train-subset {args.train_subset} exceeds CIFAR-10's {CIFAR10_TRAIN_IMAGES} training images")
     try:
         args.overrides = core.parse_overrides(args.set)
         taken = sorted(set(args.overrides) & set(STUDY_OPTIONS))
@@ -397,11 +434,14 @@ def main(argv=None):
     mismatched = [r for r in records if r.get("settings") != args.settings]
     if mismatched:
         parser.exit(2, f"{parser.prog}: error: {results_path} holds runs with other settings "
-                       f"({mismatched[0].get('settings')}); use another --out\n")
+                       f"({settings_difference(mismatched[0].get('settings'), args.settings)}); use another --out\n")
     done = {run_key(r) for r in records}
     todo = [(m, f, s) for m, f, s in plan(args.modes, args.factors, range(args.seed0, args.seed0 + args.seeds))
             if (args.workload, args.pipeline, m, f, s) not in done]
-    print(f"study: workload {args.workload} ({workload['about']}), {args.pipeline} pipeline, modes "
+    overrides = study_overrides(args, workload)
+    cfg = train_cifar.make_config(workload["preset"], **overrides)
+    about = describe_config(cfg, args.overrides, args.budget)
+    print(f"study: workload {args.workload} ({about}), {args.pipeline} pipeline, modes "
           f"{' '.join(args.modes)}, factors {' '.join(f'{f:g}' for f in args.factors)}, {args.seeds} seed(s); "
           f"{len(done)} run(s) already in {results_path}, {len(todo)} to go", flush=True)
 
@@ -410,6 +450,9 @@ def main(argv=None):
         data = tb.load_cifar10(args.data or train_cifar.default_data_path())
     except tb.DataError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    if args.train_subset > len(data["train_y"]):  # (trained on all of them while the settings recorded N)
+        parser.exit(2, f"{parser.prog}: error: --train-subset {args.train_subset} exceeds the "
+                       f"{len(data['train_y'])} training images in {args.data or train_cifar.default_data_path()}\n")
     if args.train_subset:  # a random subset: the training set is sorted by class
         keep = np.random.default_rng(0).permutation(len(data["train_y"]))[:args.train_subset]
         data = dict(data, train_x=data["train_x"][keep], train_y=data["train_y"][keep])
@@ -420,8 +463,6 @@ def main(argv=None):
                                        len(data["train_y"]), device)
     except ValueError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
-    overrides = study_overrides(args, workload)
-    cfg = train_cifar.make_config(workload["preset"], **overrides)
     if args.pipeline == "loader":  # encode once here, so no run's timer pays for it (the cache is per array)
         t = time.perf_counter()
         pipeline.encode_pngs(data["train_x"])
@@ -442,7 +483,7 @@ def main(argv=None):
     def finish(status):
         records_now = [r for r in read_results(results_path) if r.get("settings") == args.settings]
         rows = summarise(records_now, r_info, overlapped(cfg))
-        meta = dict(workload=args.workload, about=workload["about"], pipeline=args.pipeline, settings=args.settings,
+        meta = dict(workload=args.workload, about=about, pipeline=args.pipeline, settings=args.settings,
                     config={k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()}, r=r_info,
                     overlapped_pipeline=overlapped(cfg), runs=len(records_now), status=status,
                     written=core.utc_timestamp(),

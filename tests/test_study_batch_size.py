@@ -82,6 +82,27 @@ def test_lr_trend_recovers_the_slope(slope, closer):
     assert sbs.lr_trend([16], [0.1])["slope"] is None
 
 
+def test_an_lr_slope_halfway_between_the_rules_is_no_verdict():
+    """Two batch sizes whose best trials sit at the same point of the window (which slides as batch^0.75) give
+    slope 0.75 exactly, halfway between 0.5 and 1: it was reported as "closer to square root (0.5)"."""
+    tie = sbs.lr_trend([16, 32], [1.0, 2 ** 0.75])
+    assert tie["slope"] == pytest.approx(0.75) and tie["closer_to"] == "undecided"
+    lines = []
+    sbs.report([], dict(perfect_end=None), dict(all=tie), log=lines.append)
+    assert "undecided: 0.75 is halfway between square root (0.5) and linear (1)" in lines[-1]
+    assert "closer to" not in lines[-1]
+    # 0.75 within slope ± standard error: undecided too; outside it, a verdict
+    bs = [16, 32, 64, 128]
+    noisy = sbs.lr_trend(bs, [b ** 0.8 * f for b, f in zip(bs, (1.0, 1.3, 0.8, 1.2))])
+    assert noisy["slope"] - noisy["stderr"] < 0.75 < noisy["slope"] and noisy["closer_to"] == "undecided"
+    lines = []
+    sbs.report([], dict(perfect_end=None), dict(all=noisy), log=lines.append)
+    assert "lies within one standard error" in lines[-1]
+    clear = sbs.lr_trend(bs, [b ** 0.8 * f for b, f in zip(bs, (1.0, 1.01, 0.99, 1.0))])
+    assert clear["slope"] - clear["stderr"] > 0.75 and clear["closer_to"] == "linear (1)"
+    assert sbs.lr_trend([16, 32], [1.0, 2 ** 0.7])["closer_to"] == "square root (0.5)"
+
+
 def test_lr_trend_stderr_is_the_textbook_ols_slope_standard_error():
     """The slope's standard error (the "± x" of the report) is sqrt(s^2 (X'X)^-1)[slope] with s^2 = RSS / (n - 2);
     a wrong degrees-of-freedom count or a missing square root would misstate how well the LR rule is pinned."""
@@ -310,9 +331,13 @@ def test_an_unterminated_complete_last_line_is_kept_and_terminated(study):
 def test_trials_with_other_settings_are_refused(study):
     settings, specs, path = study
     sbs.run_study(specs[:1], fake_trial, path, settings, log=QUIET)
-    other = sbs.study_settings("cpu", "momentum", epochs=40, min_steps=4000, target=0.7)
-    with pytest.raises(sbs.StudyError, match="other settings"):
+    other = sbs.study_settings("cpu", "momentum", epochs=40, min_steps=4000, target=0.7,
+                               overrides=dict(precision="fp32"))
+    with pytest.raises(sbs.StudyError, match="other settings") as e:
         sbs.run_study(specs, fake_trial, path, other, log=QUIET)
+    # the differing keys with both values, not the whole stored dict (~20 keys) to compare by eye
+    assert "(overrides.precision unset there, fp32 here; target 0.65 there, 0.7 here)" in str(e.value)
+    assert "workload" not in str(e.value)
 
 
 def test_summary_regimes_and_plots_of_a_fake_study(study, tmp_path):
@@ -390,7 +415,11 @@ def tiny_study(tmp_path):
 def test_command_line_runs_resumes_and_plots(tmp_path, capsys):
     out, argv = tiny_study(tmp_path)
     sbs.main(argv)
-    assert "[4/4]" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "[4/4]" in printed
+    # the header describes what runs (--set, --target, --eval), not the workload's defaults
+    assert ("study: cpu (fast94-sgd net at widths 8/16/16, 1% on the test set, budget max(1 epoch, 4 steps), "
+            "2 evaluations per budget, precision=fp32), sgd") in printed
     assert len(sbs.read_trials(str(out / "trials.jsonl"))) == 4
     sbs.main(argv)
     assert "4 finished trial(s)" in capsys.readouterr().out and len(sbs.read_trials(str(out / "trials.jsonl"))) == 4
@@ -492,6 +521,8 @@ def test_plot_joins_folders_of_one_study_into_one_curve(tmp_path, capsys):
     (["--train-subset", "100"], "-4900 training images (--train-subset 100 less a holdout of 5000) are too few for "
                                 "batch sizes up to 32"),  # planned "budget 200 steps (-0.64 epochs)"
     (["--holdout", "0"], "--holdout must be at least 1 with --eval holdout, got 0"),  # judged on the test set
+    # planned and trained on all 50000 while settings.train_subset said 60000
+    (["--train-subset", "60000"], "--train-subset 60000 exceeds CIFAR-10's 50000 training images"),
     (["--batch-sizes", "16", "40", "--set", "bn_group_size=16"], "batch 40 is not divisible into BN groups of 16"),
 ])
 def test_impossible_run_options_are_usage_errors_naming_the_option(tmp_path, capsys, args, message):
@@ -505,6 +536,8 @@ def test_impossible_run_options_are_usage_errors_naming_the_option(tmp_path, cap
 @pytest.mark.parametrize("args, message", [
     (["--batch-sizes", "16", "40", "--set", "bn_group_size=16"], "batch 40 is not divisible into BN groups of 16"),
     (["--batch-sizes", "20", "40", "--set", "precision=fp16"], "fp16 is for CUDA GPUs"),
+    # trained on all 200 while settings.train_subset said 300
+    (["--batch-sizes", "20", "--train-subset", "300"], "--train-subset 300 exceeds the 200 training images in"),
 ])
 def test_trials_train_would_refuse_are_errors_before_the_first_trial(tmp_path, capsys, args, message):
     """The first trial (batch 16, or any in fp16 on a CPU) used to run or start, then a traceback."""
@@ -516,3 +549,13 @@ def test_trials_train_would_refuse_are_errors_before_the_first_trial(tmp_path, c
                   "--set", "widths=(8,16,16)", "--out", str(out), *args])
     assert e.value.code == 2 and message in capsys.readouterr().err
     assert not out.exists() or not os.listdir(out)
+
+
+def test_the_header_describes_the_effective_settings_not_the_workloads_defaults(tmp_path, capsys):
+    """--holdout 500 --set widths=(8,16,16) was announced as "widths 16/32/32, 65% on a 5000-image holdout"."""
+    sbs.main(["run", "--dry-run", "--holdout", "500", "--target", "0.5", "--set", "widths=(8,16,16)",
+              "--batch-sizes", "16", "--trials", "1", "--out", str(tmp_path / "out")])
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header == ("study: cpu (fast94-sgd net at widths 8/16/16, 50% on a 500-image holdout, budget max(4 epochs, "
+                      "200 steps), 20 evaluations per budget), nesterov (Nesterov momentum), batch sizes 16, "
+                      "1 trials each")

@@ -123,6 +123,7 @@ def test_tiny_study_writes_everything_and_resumes(tmp_path, capsys):
     (["--factors", "2", "inf"], "echo-factor must be finite, got inf"),
     (["--set", "epochs=inf"], "epochs takes a number, got 'inf'"),
     (["--train-subset", "-10"], "--train-subset must be >= 0 (0: all)"),  # trained on all but 10 images
+    (["--train-subset", "60000"], "--train-subset 60000 exceeds CIFAR-10's 50000 training images"),  # all 50000
     (["--r-batches", "0"], "--r-batches >= 1"),  # divided by zero
 ])
 def test_options_that_would_fail_a_run_are_usage_errors_before_any_run(tmp_path, capsys, args, message):
@@ -160,6 +161,8 @@ def test_options_the_study_sets_itself_are_usage_errors(tmp_path, capsys, args, 
      "batch size 50 exceeds the 40 training images left by holdout 160"),
     (["--set", "batch_size=50", "--set", "bn_group_size=16"], "batch 50 is not divisible into BN groups of 16"),
     (["--set", "batch_size=50", "--set", "precision=fp16"], "fp16 is for CUDA GPUs"),
+    # trained on all 200 while settings.train_subset said 300
+    (["--set", "batch_size=50", "--train-subset", "300"], "--train-subset 300 exceeds the 200 training images in"),
 ])
 def test_runs_train_would_refuse_are_errors_before_r_is_measured(tmp_path, capsys, args, message):
     """What train() checks with the data in hand, checked before R is measured (that was measured, r.json
@@ -172,3 +175,40 @@ def test_runs_train_would_refuse_are_errors_before_r_is_measured(tmp_path, capsy
                     "--modes", "batch", "--r-batches", "2", "--set", "widths=(8,8,8)", "--set", "epochs=1", *args])
     assert e.value.code == 2 and message in capsys.readouterr().err
     assert os.listdir(out) == []
+
+
+def test_the_header_describes_the_effective_config_not_the_workloads_defaults(tmp_path, capsys):
+    """--target and --set change what runs: the header said "widths 32/64/64, batch 512, 6 epochs, 80%" for a
+    2-epoch run at widths 8/16/16 to 15%."""
+    with pytest.raises(SystemExit):  # the header comes before the data, which is missing
+        study.main(["--target", "0.15", "--set", "epochs=2", "--set", "widths=(8,16,16)", "--set", "precision=fp32",
+                    "--data", "/nonexistent.npz", "--out", str(tmp_path / "out")])
+    header = capsys.readouterr().out
+    assert ("(fast94-sgd at widths 8/16/16, batch 512, 2 epochs, 15% without TTA, evaluated every 24 steps, "
+            "precision=fp32)") in header
+    assert "32/64/64" not in header and "80%" not in header
+
+
+def test_a_folder_of_other_settings_is_refused_naming_what_differs(tmp_path, capsys):
+    """The refusal named no key: it dumped the stored settings (~20 keys) for the user to compare by eye."""
+    out = str(tmp_path / "out")
+    argv = ["--data", "/nonexistent.npz", "--out", out, "--set", "epochs=2"]
+    _, stored = study.parse_args(argv + ["--target", "0.8", "--set", "precision=fp32"])
+    os.makedirs(out)
+    study.append_result(os.path.join(out, "results.jsonl"), dict(rec("none", 1.0, 0, 100, 1.0),
+                                                                 settings=stored.settings))
+    with pytest.raises(SystemExit) as e:
+        study.main(argv + ["--target", "0.15"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1
+    assert "other settings (overrides.precision fp32 there, unset here; target 0.8 there, 0.15 here)" in err
+    assert "workload" not in err
+
+
+def test_settings_difference_names_each_differing_key_with_both_values():
+    there = dict(target=0.8, budget="steps", overrides=dict(epochs=2, widths=[8, 16, 16]))
+    here = dict(target=0.8, budget="fresh", overrides=dict(epochs=2, widths=[8, 8, 8], precision="fp32"))
+    assert study.settings_difference(there, here) == (
+        "budget steps there, fresh here; overrides.precision unset there, fp32 here; "
+        "overrides.widths [8, 16, 16] there, [8, 8, 8] here")
+    assert study.settings_difference(None, here) == "none recorded there"
