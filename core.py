@@ -145,6 +145,21 @@ class Table:
         self.out(" ".join(format_cell(values.get(c, ""), self.width) for c in self.columns))
 
 
+def settings_difference(there, here):
+    """The settings that differ, each with both values ("target 0.8 there, 0.15 here"); nested ones (--set
+    options) by dotted key. The whole dicts hold ~20 keys and hid the one that mattered."""
+    if not isinstance(there, dict):
+        return "none recorded there"
+
+    def flat(d, prefix=""):
+        for k, v in d.items():
+            yield from flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(prefix + k, v)]
+    a, b = dict(flat(there)), dict(flat(here))
+    show = lambda d, k: str(d[k]) if k in d else "unset"  # noqa: E731
+    return "; ".join(f"{k} {show(a, k)} there, {show(b, k)} here" for k in sorted(a.keys() | b.keys())
+                     if k not in a or k not in b or a[k] != b[k])
+
+
 def format_flops(flops):
     """Training FLOPs as the records table gives them (0.265 PF), in TF or GF below 0.01 PF (a subset or narrow
     net would otherwise read "0.000 PF")."""

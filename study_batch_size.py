@@ -370,21 +370,6 @@ def shard_path(out, shard):
     return os.path.join(out, "trials.jsonl" if shard is None else f"trials-shard{shard[0]}of{shard[1]}.jsonl")
 
 
-def settings_difference(there, here):
-    """The settings that differ, each with both values ("target 0.8 there, 0.15 here"); nested ones (--set
-    options) by dotted key. The whole dicts hold ~20 keys and hid the one that mattered."""
-    if not isinstance(there, dict):
-        return "none recorded there"
-
-    def flat(d, prefix=""):
-        for k, v in d.items():
-            yield from flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(prefix + k, v)]
-    a, b = dict(flat(there)), dict(flat(here))
-    show = lambda d, k: str(d[k]) if k in d else "unset"  # noqa: E731
-    return "; ".join(f"{k} {show(a, k)} there, {show(b, k)} here" for k in sorted(a.keys() | b.keys())
-                     if k not in a or k not in b or a[k] != b[k])
-
-
 def run_study(specs, trial_fn, path, settings, log=print, others=()):
     """Runs the specs whose key is not yet in `path` (or in `others`, the records of other shards), appending
     each record to `path` as soon as it finishes; returns the records of `path`. A KeyboardInterrupt loses only
@@ -395,7 +380,7 @@ def run_study(specs, trial_fn, path, settings, log=print, others=()):
     other = [r for r in known if r.get("settings") != settings]
     if other:
         raise StudyError(f"{path} holds trials with other settings "
-                         f"({settings_difference(other[0].get('settings'), settings)}); use another --out")
+                         f"({core.settings_difference(other[0].get('settings'), settings)}); use another --out")
     done = {trial_key(r) for r in known}
     todo = [s for s in specs if trial_key(s) not in done]
     log(f"{len(done)} finished trial(s) in {os.path.dirname(path) or '.'}, {len(todo)} of this run's to go")

@@ -77,21 +77,6 @@ def describe_config(cfg, given=(), budget="steps"):
     return ", ".join(bits + [f"{k}={cfg[k]}" for k in sorted(given) if k not in DESCRIBED_OPTIONS])
 
 
-def settings_difference(there, here):
-    """The settings that differ, each with both values ("target 0.8 there, 0.15 here"); nested ones (--set
-    options) by dotted key. The whole dicts hold ~20 keys and hid the one that mattered."""
-    if not isinstance(there, dict):
-        return "none recorded there"
-
-    def flat(d, prefix=""):
-        for k, v in d.items():
-            yield from flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(prefix + k, v)]
-    a, b = dict(flat(there)), dict(flat(here))
-    show = lambda d, k: str(d[k]) if k in d else "unset"  # noqa: E731
-    return "; ".join(f"{k} {show(a, k)} there, {show(b, k)} here" for k in sorted(a.keys() | b.keys())
-                     if k not in a or k not in b or a[k] != b[k])
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # R = t_upstream / t_downstream
 
@@ -374,8 +359,10 @@ def parse_args(argv):
     p.add_argument("--target", type=float, default=None, help="override the workload's target accuracy")
     p.add_argument("--budget", default="steps", choices=["steps", "fresh"],
                    help="steps: every run has the workload's step budget; fresh: e times the steps for factor e")
-    p.add_argument("--echo-shuffle-buffer", type=int, default=0, help="shuffle the echoed items through a buffer of this many (0: none)")
-    p.add_argument("--loader-workers", type=int, default=None, help="pipeline loader: worker processes (default: the workload's)")
+    p.add_argument("--echo-shuffle-buffer", type=int, default=0,
+                   help="shuffle the echoed items through a buffer of this many (0: none)")
+    p.add_argument("--loader-workers", type=int, default=None,
+                   help="pipeline loader: worker processes (default: the workload's)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any other train_cifar option, e.g. --set epochs=2 --set precision=fp32")
     p.add_argument("--data", default=None, help="CIFAR-10 .npz, tarball or folder (default: $CIFAR10_DATA or ./data)")
@@ -433,8 +420,9 @@ def main(argv=None):
     records = read_results(results_path)
     mismatched = [r for r in records if r.get("settings") != args.settings]
     if mismatched:
-        parser.exit(2, f"{parser.prog}: error: {results_path} holds runs with other settings "
-                       f"({settings_difference(mismatched[0].get('settings'), args.settings)}); use another --out\n")
+        why = core.settings_difference(mismatched[0].get("settings"), args.settings)
+        parser.exit(2, f"{parser.prog}: error: {results_path} holds runs with other settings ({why}); "
+                       "use another --out\n")
     done = {run_key(r) for r in records}
     todo = [(m, f, s) for m, f, s in plan(args.modes, args.factors, range(args.seed0, args.seed0 + args.seeds))
             if (args.workload, args.pipeline, m, f, s) not in done]

@@ -276,3 +276,12 @@ def test_writable_folder_checks_without_creating_anything(tmp_path):
     os.symlink(tmp_path / "gone", tmp_path / "dangling")  # a link to nothing: makedirs would fail on it later
     with pytest.raises(ValueError, match="dangling/logs: cannot write there"):
         core.writable_folder(str(tmp_path / "dangling" / "logs"), "--out")
+
+
+def test_settings_difference_names_each_differing_key_with_both_values():
+    there = dict(target=0.8, budget="steps", overrides=dict(epochs=2, widths=[8, 16, 16]))
+    here = dict(target=0.8, budget="fresh", overrides=dict(epochs=2, widths=[8, 8, 8], precision="fp32"))
+    assert core.settings_difference(there, here) == (
+        "budget steps there, fresh here; overrides.precision unset there, fp32 here; "
+        "overrides.widths [8, 16, 16] there, [8, 8, 8] here")
+    assert core.settings_difference(None, here) == "none recorded there"

@@ -204,11 +204,3 @@ def test_a_folder_of_other_settings_is_refused_naming_what_differs(tmp_path, cap
     assert "other settings (overrides.precision fp32 there, unset here; target 0.8 there, 0.15 here)" in err
     assert "workload" not in err
 
-
-def test_settings_difference_names_each_differing_key_with_both_values():
-    there = dict(target=0.8, budget="steps", overrides=dict(epochs=2, widths=[8, 16, 16]))
-    here = dict(target=0.8, budget="fresh", overrides=dict(epochs=2, widths=[8, 8, 8], precision="fp32"))
-    assert study.settings_difference(there, here) == (
-        "budget steps there, fresh here; overrides.precision unset there, fp32 here; "
-        "overrides.widths [8, 16, 16] there, [8, 8, 8] here")
-    assert study.settings_difference(None, here) == "none recorded there"
