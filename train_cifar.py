@@ -1546,8 +1546,8 @@ def main(argv=None):
             other = data_differs(logged.get("data_fingerprint"), summary.get("data_fingerprint"))
             if other:  # (logs before 2026-12-05 have no fingerprint: nothing to compare)
                 summary["reproduces"]["data_differs"] = other
-                print(f"  note: this run's data are not the log's ({', '.join(other)} differ): the runs are not "
-                      "expected to match")
+                print(f"  note: this run's data are not the log's ({', '.join(other)} differ: other images, or the "
+                      "same in another order, e.g. from another copy of CIFAR-10): the runs are not expected to match")
             for line in describe_reproduction(summary["reproduces"]["runs"], args.from_log):
                 print("  " + line)
             if summary.get("log_json"):  # the comparison goes into the new log too
