@@ -101,6 +101,17 @@ def validate(data, where):
     return {k: (v.astype(np.int64) if k.endswith("_y") else v) for k, v in data.items()}
 
 
+def dataset_fingerprint(data):
+    """Sizes and int64 checksums of a dataset as loaded (numpy, after validate): each row's values summed,
+    weighted by the row's position, so the same images in another order differ too. Logs record it, and
+    --from-log says when a rerun's data are not the log's. (A checkpoint holds another fingerprint, of the data
+    as on the device: train_cifar.data_fingerprint.)"""
+    def checksum(a):
+        per_row = a.reshape(len(a), -1).sum(1, dtype=np.int64)
+        return int((per_row * np.arange(1, len(a) + 1, dtype=np.int64)).sum())
+    return {k: [len(data[k]), checksum(data[k])] for k in ("train_x", "train_y", "test_x", "test_y")}
+
+
 def _download(root, hint):
     try:
         import torchvision  # only the download needs it

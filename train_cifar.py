@@ -782,7 +782,8 @@ def data_fingerprint(data):
     """Sizes and integer checksums of the run's data as on the device (each image's bits summed, weighted by its
     position; the labels likewise; in int64, which fp32 bits can wrap around: the same number for the same data
     on any machine): a checkpoint must not resume on other data, or the same in another order (its example
-    indices, loss history and stream position would then point elsewhere)."""
+    indices, loss history and stream position would then point elsewhere). Not the logs' fingerprint
+    (tb.dataset_fingerprint, of the data as loaded): this one also changes with the precision, pad and holdout."""
     def checksum(t):
         ints = t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
         per_row = ints.reshape(len(ints), -1).sum(1)  # (integer sums accumulate in int64)
@@ -917,7 +918,7 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
             if on_epoch:
                 on_epoch(row)
         if result["accuracy"] is not None:  # that run had finished (or stopped where asked): its log has it
-            log(f"{checkpoint} holds this run's result already: nothing trained, no new log written")
+            log(f"{checkpoint} holds this run's result already: nothing trained")
             return dict(result, trained_nothing=True)
     for epoch in range(start_epoch, math.ceil(total_steps / per_epoch) + 1):
         if cfg["whiten_bias_epochs"] and hasattr(model, "whiten"):
@@ -1148,7 +1149,7 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
     if data is None:
         data = tb.load_cifar10(data_path or default_data_path())
     data = tb.validate(dict(data), "data")
-    data_id = data_fingerprint({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in data.items()})  # as loaded
+    data_id = tb.dataset_fingerprint(data) if rank == 0 else None  # (0.1 s; only rank 0 writes logs)
     check_runnable(cfg, len(data["train_y"]), device, world)
     if cfg["holdout"]:  # a fixed split, the same for every run and seed
         order = np.random.default_rng(0).permutation(len(data["train_y"]))
@@ -1210,10 +1211,6 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
                 results.append(dict(seed=cfg["seed"] + r, accuracy=None, epoch_reached_target=None,
                                     time_to_target_s=None, total_time_s=None, train_flops=None, diverged=True))
                 raise
-            if res.pop("trained_nothing", False):  # a finished checkpoint: a second log would count it twice
-                results.append(res)
-                replayed.append(res)
-                continue
             res["train_flops"] = flops_per_run
             if res.get("stopped_after_epoch"):  # only the steps it trained, counted on shapes alone
                 meta = torch.device("meta")
@@ -1221,6 +1218,11 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
                 res["train_flops"] = run_flops(cfg, net, make_optimizer(cfg, net), meta, "fp32",
                                                len(data["train_y"]), res["steps_trained"])[2]
             results.append(res)
+            if res.pop("trained_nothing", False):  # a finished checkpoint: a second log would count it twice
+                if json_path:
+                    log("(no new log: the run's own log has it)")
+                replayed.append(res)
+                continue
             if json_path:  # rewritten after every run so a crash keeps the finished ones
                 core.write_json_atomic(json_path, summarise(cfg, results, hardware, precision, flops_per_step, steps,
                                                             flops_per_run, commit, data_id))

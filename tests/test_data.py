@@ -108,3 +108,18 @@ def test_real_cifar10_matches_published_statistics(cifar10):
     assert np.bincount(cifar10["train_y"]).tolist() == [5000] * 10
     mean = cifar10["train_x"].reshape(-1, 3).mean(0) / 255
     np.testing.assert_allclose(mean, [0.49139968, 0.48215841, 0.44653091], atol=1e-6)
+
+
+def test_dataset_fingerprint_is_per_row_sums_weighted_by_position(tiny):
+    """Against a plain Python loop; the same images in another order, or one pixel changed, differ; keys beyond
+    the four arrays (an API caller's label names) are ignored."""
+    data = tb.validate(dict(tiny), "tiny")
+    fp = tb.dataset_fingerprint(dict(data, label_names=["airplane"] * 10))
+    for k in ("train_x", "train_y", "test_x", "test_y"):
+        rows = [int(np.asarray(r, dtype=np.int64).sum()) for r in data[k]]
+        assert fp[k] == [len(rows), sum((i + 1) * s for i, s in enumerate(rows))]
+    swapped = dict(data, train_x=data["train_x"][[1, 0, *range(2, len(data["train_x"]))]])
+    changed = dict(data, test_x=data["test_x"].copy())
+    changed["test_x"][3, 0, 0, 0] ^= 1
+    assert tb.dataset_fingerprint(swapped)["train_x"] != fp["train_x"]
+    assert tb.dataset_fingerprint(changed)["test_x"] != fp["test_x"]

@@ -999,13 +999,47 @@ def test_a_finished_or_refused_checkpoint_writes_no_log(tmp_path):
     said = []
     again = train_cifar.train("resnet9", **dict(quiet, log=said.append))
     assert again["runs"][0]["accuracy"] == first["runs"][0]["accuracy"] and again["log_json"] is None
-    assert any("holds this run's result already: nothing trained, no new log written" in line for line in said)
+    assert any("holds this run's result already: nothing trained" in line for line in said)
+    assert "(no new log: the run's own log has it)" in said
     assert len(list(logs.iterdir())) == 2
     with pytest.raises(ValueError, match="another configuration"):
         train_cifar.train("resnet9", **dict(quiet, epochs=3))
     assert len(list(logs.iterdir())) == 2
     assert json.load(open(first["log_json"]))["runs"][0]["accuracy"] == first["runs"][0]["accuracy"]
     assert len(core.read_tsv(first["log_json"][:-5] + ".tsv")) == 2  # the first invocation's log, intact
+
+
+def test_a_replayed_cut_short_checkpoint_states_the_flops_it_trained(tmp_path):
+    ckpt = str(tmp_path / "run.pt")
+    quiet = dict(data=synthetic(200, 50), log=lambda *a: None, checkpoint=ckpt, log_dir=None,
+                 **dict(TINY, epochs=3, stop_after_epochs=1))
+    first, again = train_cifar.train("resnet9", **quiet), train_cifar.train("resnet9", **quiet)
+    assert again["runs"][0]["train_flops"] == first["runs"][0]["train_flops"] < first["train_flops_per_run"] / 2
+
+
+def test_an_interrupted_first_run_keeps_its_rows_and_an_earlier_interrupt_leaves_nothing(tmp_path):
+    """Ctrl-C after the first epoch's row: the TSV keeps it and the JSON (no run finished) says what ran; before
+    any row, no files (nothing was measured)."""
+    class Stop(KeyboardInterrupt):
+        pass
+
+    def stop_after(rows):
+        seen = []
+
+        def log(line):
+            seen.append(line)
+            if sum(line.lstrip().startswith("0 ") for line in seen) > rows:  # the table's rows of run 0
+                raise Stop
+        return log
+    for rows, files in ((1, [".json", ".tsv"]), (0, [])):
+        logs = tmp_path / f"after{rows}"
+        with pytest.raises(Stop):
+            train_cifar.train("resnet9", data=synthetic(200, 50), log=stop_after(rows), log_dir=str(logs),
+                              **dict(TINY, epochs=3))
+        assert sorted(p.suffix for p in logs.iterdir()) == files
+        if files:
+            saved = json.load(open(next(logs.glob("*.json"))))
+            assert saved["runs"] == [] and len(core.read_tsv(str(next(logs.glob("*.tsv"))))) == 1
 
 
 def test_two_runs_started_in_the_same_second_get_logs_of_their_own(tmp_path, monkeypatch):
