@@ -10,9 +10,11 @@ unfolded input (tb.SmallMapConv), which is the evidence for where tb.Conv2d take
 Random data of each conv's shape (layouts as in a run: channels-last, the autocast dtype); mean ± std over repeats
 after a warm-up. dgrad is skipped where a run needs none (the first conv's input is the data), wgrad where the
 weights are frozen (the whitening conv), the matmul where SmallMapConv does not apply (strided or biased convs).
-The step totals add each part's kernel as a run with --cpu-conv matmul picks it (on any CPU, whatever auto takes
-there), and oneDNN's alone; --cpu-conv auto, the default, takes the former on AMX CPUs and the latter elsewhere,
-and the log's cpu_conv_auto names the one it takes on this CPU. Writes logs/bench_convs-*.json."""
+The step totals add each part's kernel as a run with --cpu-conv matmul picks it (on any CPU), oneDNN's alone,
+and as a run with the default --cpu-conv auto picks it here (the former on AMX CPUs, the latter elsewhere; the
+log's cpu_conv_auto names which). Writes logs/bench_convs-*.json (seconds_per_step: oneDNN's;
+seconds_per_step_as_run and run_takes_matmul: auto's choice, as in the logs before the matmul mode's own totals,
+seconds_per_step_matmul_mode and matmul_mode_takes_matmul)."""
 import argparse
 import os
 import sys
@@ -110,7 +112,8 @@ def main():
     table = core.Table(["conv", "in", "out"] + [f"{p}_{c}" for p in parts for c in ("ms", "TF/s", "mm_ms")],
                        width=10)
     results = []
-    totals = {"onednn": dict.fromkeys(parts, 0.0), "as_run": dict.fromkeys(parts, 0.0)}
+    totals = {k: dict.fromkeys(parts, 0.0) for k in ("onednn", "matmul_mode", "as_run")}
+    auto_takes_matmul = info["cpu_conv_auto"] == "matmul"
     for name, module, in_shape, need_dgrad in conv_layers(model, device, a.image_size):
         flops, t = measure_conv(module, in_shape, need_dgrad, batch_size, tb.DTYPES[precision], device, a.repeats)
         t_mm = measure_conv(module, in_shape, need_dgrad, batch_size, tb.DTYPES[precision], device, a.repeats,
@@ -127,12 +130,14 @@ def main():
             row[f"{part}_TF/s"] = flops / mean_std[0] / 1e12 if mean_std else "-"
             row[f"{part}_mm_ms"] = (f"{1e3 * mm[0]:.1f}" + ("*" if takes_mm[part] else "")) if mm else "-"
             totals["onednn"][part] += mean_std[0] if mean_std else 0.0
-            totals["as_run"][part] += (mm if takes_mm[part] else mean_std or (0.0,))[0]
+            totals["matmul_mode"][part] += (mm if takes_mm[part] else mean_std or (0.0,))[0]
+            totals["as_run"][part] += (mm if takes_mm[part] and auto_takes_matmul else mean_std or (0.0,))[0]
         table.row(row)
         results.append(dict(conv=name, input_shape=in_shape, out_channels=module.out_channels, flops=flops,
-                            seconds=t, matmul_seconds=t_mm, run_takes_matmul=takes_mm))
+                            seconds=t, matmul_seconds=t_mm, matmul_mode_takes_matmul=takes_mm,
+                            run_takes_matmul={p: v and auto_takes_matmul for p, v in takes_mm.items()}))
     print("(* the kernel a run takes with --cpu-conv matmul)")
-    for which, label in (("onednn", "oneDNN's kernels alone"), ("as_run", "as --cpu-conv matmul picks them")):
+    for which, label in (("onednn", "oneDNN's kernels alone"), ("matmul_mode", "as --cpu-conv matmul picks them")):
         tot = totals[which]
         total = sum(tot.values())
         print(f"conv time per step, {label}: " + ", ".join(f"{k} {1e3 * v:.0f} ms ({100 * v / total:.0f}%)"
@@ -143,6 +148,7 @@ def main():
     if a.log_dir:
         path = core.stamped_log_path(a.log_dir, f"bench_convs-{a.preset}", info["date"])
         core.write_json_atomic(path, dict(info, results=results, seconds_per_step=totals["onednn"],
+                                           seconds_per_step_matmul_mode=totals["matmul_mode"],
                                            seconds_per_step_as_run=totals["as_run"]))
         print(f"log: {path}")
 

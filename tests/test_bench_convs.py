@@ -54,7 +54,8 @@ def test_bench_convs_times_the_matmul_where_small_map_conv_applies():
                                          ({"avx512f", "avx512_bf16", "amx_bf16"}, "matmul")])
 def test_bench_convs_totals_are_what_cpu_conv_matmul_picks_on_any_cpu(tmp_path, monkeypatch, capsys, flags, auto):
     """Without AMX, auto takes oneDNN's kernels; the model was built with auto, so the `*` and the total "as
-    --cpu-conv matmul picks them" were oneDNN's there (a Zen 4's log said so)."""
+    --cpu-conv matmul picks them" were oneDNN's there (a Zen 4's log said so). The "as run" keys keep their
+    meaning in the committed logs: auto's choice on the CPU that ran it."""
     monkeypatch.setattr(tb, "cpu_flags", lambda info=None: set(flags))  # bf16 precision; AMX or not
     monkeypatch.setattr(sys, "argv", ["bench_convs.py", "--preset", "fast94", "--batch-size", "2", "--repeats", "1",
                                       "--device", "cpu", "--log-dir", str(tmp_path)])
@@ -62,10 +63,14 @@ def test_bench_convs_totals_are_what_cpu_conv_matmul_picks_on_any_cpu(tmp_path, 
     out = capsys.readouterr().out
     log = json.load(open(next(tmp_path.iterdir())))
     assert log["precision"] == "bf16"
-    takes = {r["conv"]: r["run_takes_matmul"] for r in log["results"]}
+    takes = {r["conv"]: r["matmul_mode_takes_matmul"] for r in log["results"]}
     assert takes["blocks.18"] == dict(fwd=True, dgrad=True, wgrad=True)  # 3x3: all three by matmul
     assert takes["blocks.14"] == dict(fwd=False, dgrad=False, wgrad=True)  # 7x7: the wgrad
     assert takes["blocks.4"] == dict(fwd=False, dgrad=False, wgrad=False)  # 15x15: oneDNN's
-    assert sum(log["seconds_per_step_as_run"].values()) != sum(log["seconds_per_step"].values())
+    assert sum(log["seconds_per_step_matmul_mode"].values()) != sum(log["seconds_per_step"].values())
+    as_run = "seconds_per_step_matmul_mode" if auto == "matmul" else "seconds_per_step"
+    assert log["seconds_per_step_as_run"] == log[as_run]
+    assert all(r["run_takes_matmul"] == (r["matmul_mode_takes_matmul"] if auto == "matmul" else
+                                         dict(fwd=False, dgrad=False, wgrad=False)) for r in log["results"])
     assert out.count("*") >= 4  # the matmul picks marked in the table
     assert log["cpu_conv_auto"] == auto and f"auto, the default, takes {auto} on this CPU" in out
