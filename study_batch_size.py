@@ -493,16 +493,19 @@ def lr_trend(batch_sizes, lrs):
     window, which slides as batch^0.75), or where 0.75 lies within slope ± its standard error."""
     pts = [(b, lr) for b, lr in zip(batch_sizes, lrs) if lr is not None and lr > 0]
     if len(pts) < 2:
-        return dict(n=len(pts), slope=None, stderr=None, intercept=None, closer_to=None)
+        return dict(n=len(pts), slope=None, stderr=None, intercept=None, closer_to=None, undecided_because=None)
     x, y = np.log([b for b, _ in pts]), np.log([lr for _, lr in pts])
     slope, intercept = np.polyfit(x, y, 1)
     stderr = None
     if len(pts) > 2:
         resid = y - (slope * x + intercept)
         stderr = float(math.sqrt(resid @ resid / (len(pts) - 2) / ((x - x.mean()) @ (x - x.mean()))))
-    halfway = round(slope, 2) == 0.75 or (stderr is not None and abs(slope - 0.75) <= stderr)
-    closer = UNDECIDED if halfway else "linear (1)" if slope > 0.75 else "square root (0.5)"
-    return dict(n=len(pts), slope=float(slope), stderr=stderr, intercept=float(intercept), closer_to=closer)
+    undecided = ("0.75 is halfway between square root (0.5) and linear (1)" if round(slope, 2) == 0.75 else
+                 "0.75, halfway between square root (0.5) and linear (1), lies within one standard error"
+                 if stderr is not None and abs(slope - 0.75) <= stderr else None)
+    closer = UNDECIDED if undecided else "linear (1)" if slope > 0.75 else "square root (0.5)"
+    return dict(n=len(pts), slope=float(slope), stderr=stderr, intercept=float(intercept), closer_to=closer,
+                undecided_because=undecided)
 
 
 def summarise(records):
@@ -562,11 +565,8 @@ def report(rows, regimes, trend, log=print):
     for name, t in trend.items():
         if t.get("slope") is not None:
             se = f" ± {t['stderr']:.2f}" if t["stderr"] is not None else ""
-            tie = round(t["slope"], 2) == 0.75
             verdict = (f"closer to {t['closer_to']}" if t["closer_to"] != UNDECIDED else
-                       "undecided: 0.75 is halfway between square root (0.5) and linear (1)" if tie else
-                       "undecided: 0.75, halfway between square root (0.5) and linear (1), lies within one "
-                       "standard error")
+                       f"undecided: {t['undecided_because']}")
             log(f"best lr_eff ~ batch^{t['slope']:.2f}{se} over {t['n']} batch sizes ({name.replace('_', ' ')}): "
                 + verdict)
 
@@ -735,13 +735,13 @@ def describe_settings(settings):
     """What every trial trains, from the effective train_cifar config and study settings (after --set, --target,
     --holdout, ...), not the workload's description: a header restating defaults misled about what ran."""
     import train_cifar
-    w = WORKLOADS[settings["workload"]]
     overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in settings["overrides"].items()}
     cfg = train_cifar.make_config(settings["preset"], **overrides)
     net = settings["preset"] + (" net at widths " + "/".join(map(str, cfg["widths"])) if cfg["widths"] else "")
     where = (f"on a {settings['holdout']}-image holdout" if settings["eval"] == "holdout" else "on the test set")
-    given = [k for k in sorted(overrides) if k not in DESCRIBED_OPTIONS
-             and (k not in w["overrides"] or list_form(w["overrides"][k]) != list_form(overrides[k]))]
+    preset = train_cifar.make_config(settings["preset"])
+    given = [k for k in sorted(cfg) if k not in DESCRIBED_OPTIONS | {"target", "holdout", "runs", "seed", "preset"}
+             and list_form(cfg[k]) != list_form(preset[k])]  # the workload's own changes too (gpu94: tta=0 ...)
     return ", ".join([net, f"{settings['target'] * 100:g}% {where}",
                       f"budget max({settings['epochs']:g} epoch{'s' if settings['epochs'] != 1 else ''}, "
                       f"{settings['min_steps']} steps)",

@@ -417,9 +417,10 @@ def test_command_line_runs_resumes_and_plots(tmp_path, capsys):
     sbs.main(argv)
     printed = capsys.readouterr().out
     assert "[4/4]" in printed
-    # the header describes what runs (--set, --target, --eval), not the workload's defaults
+    # the header describes what runs (--set, --target, --eval, and what the workload changes from the preset)
     assert ("study: cpu (fast94-sgd net at widths 8/16/16, 1% on the test set, budget max(1 epoch, 4 steps), "
-            "2 evaluations per budget, precision=fp32), sgd") in printed
+            "2 evaluations per budget, bias_lr_scale=1.0, lookahead_start_epoch=-1, precision=fp32, tta=0), "
+            "sgd") in printed
     assert len(sbs.read_trials(str(out / "trials.jsonl"))) == 4
     sbs.main(argv)
     assert "4 finished trial(s)" in capsys.readouterr().out and len(sbs.read_trials(str(out / "trials.jsonl"))) == 4
@@ -557,5 +558,5 @@ def test_the_header_describes_the_effective_settings_not_the_workloads_defaults(
               "--batch-sizes", "16", "--trials", "1", "--out", str(tmp_path / "out")])
     header = capsys.readouterr().out.splitlines()[0]
     assert header == ("study: cpu (fast94-sgd net at widths 8/16/16, 50% on a 500-image holdout, budget max(4 epochs, "
-                      "200 steps), 20 evaluations per budget), nesterov (Nesterov momentum), batch sizes 16, "
-                      "1 trials each")
+                      "200 steps), 20 evaluations per budget, bias_lr_scale=1.0, lookahead_start_epoch=-1, tta=0), "
+                      "nesterov (Nesterov momentum), batch sizes 16, 1 trials each")
