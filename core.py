@@ -145,6 +145,9 @@ class Table:
         self.out(" ".join(format_cell(values.get(c, ""), self.width) for c in self.columns))
 
 
+CIFAR10_TRAIN_IMAGES = 50000  # for checks made before the data is loaded (the loaded count is checked again)
+
+
 def settings_difference(there, here):
     """The settings that differ, each with both values ("target 0.8 there, 0.15 here"); nested ones (--set
     options) by dotted key. The whole dicts hold ~20 keys and hid the one that mattered."""

@@ -89,7 +89,6 @@ SEARCH_SPACE = {
 LR_REFERENCE_BATCH = 256
 LR_WINDOW_EXPONENT = 0.75
 EDGE_FRACTION = 0.1  # a best LR in the outer 10% (log scale) of its window is flagged: widen the search space
-CIFAR10_TRAIN_IMAGES = 50000  # planned with before the data is loaded; the run checks the real count again
 
 # Regime tolerances (see analyse()).
 PERFECT_TOL = 0.25   # perfect scaling: best steps at most 25% above the ideal line steps = s0 * b0 / b
@@ -707,8 +706,9 @@ def study_settings(workload="cpu", optimizer="nesterov", target=None, eval=None,
         raise StudyError(f"--holdout must be at least 1 with --eval holdout, got {holdout}")
     if train_subset < 0:
         raise StudyError(f"--train-subset must be >= 0 (0: all), got {train_subset}")
-    if train_subset > CIFAR10_TRAIN_IMAGES:  # (trained on all of them while the settings recorded N)
-        raise StudyError(f"--train-subset {train_subset} exceeds CIFAR-10's {CIFAR10_TRAIN_IMAGES} training images")
+    if train_subset > core.CIFAR10_TRAIN_IMAGES:  # (trained on all of them while the settings recorded N)
+        raise StudyError(f"--train-subset {train_subset} exceeds CIFAR-10's {core.CIFAR10_TRAIN_IMAGES} "
+                         "training images")
     overrides = dict(w["overrides"], **(overrides or {}))
     pick = lambda v, k: v if v is not None else w[k]  # noqa: E731
     epochs, min_steps = pick(epochs, "epochs"), pick(min_steps, "min_steps")
@@ -830,10 +830,10 @@ def parse_args(argv):
                                      f"{b} out of floating-point range")
             # at most this many (the real data may hold fewer: the run checks again with it in hand)
             holdout = args.settings["holdout"]
-            n_train = (args.train_subset or CIFAR10_TRAIN_IMAGES) - holdout
+            n_train = (args.train_subset or core.CIFAR10_TRAIN_IMAGES) - holdout
             if n_train < max(args.batch_sizes):
                 source = (f"--train-subset {args.train_subset}" if args.train_subset else
-                          f"CIFAR-10's {CIFAR10_TRAIN_IMAGES}")
+                          f"CIFAR-10's {core.CIFAR10_TRAIN_IMAGES}")
                 held = f" less a holdout of {holdout}" if holdout else ""
                 raise StudyError(f"{n_train} training images ({source}{held}) are too few for batch sizes up to "
                                  f"{max(args.batch_sizes)}")
@@ -851,7 +851,7 @@ def cmd_run(parser, args):
     settings = args.settings
     if args.dry_run:
         print(study_header(args), flush=True)
-        n = (args.train_subset or CIFAR10_TRAIN_IMAGES) - settings["holdout"]
+        n = (args.train_subset or core.CIFAR10_TRAIN_IMAGES) - settings["holdout"]
         for spec in plan(settings, args.batch_sizes, args.trials, n, args.shard, args.trial_order):
             print(f"b={spec['batch_size']:<5} trial {spec['trial']}: {describe_params(spec['params'])}; budget "
                   f"{spec['budget_steps']} steps ({spec['budget_epochs']:.2f} epochs), eval every "
@@ -865,12 +865,10 @@ def cmd_run(parser, args):
         data = tb.load_cifar10(args.data or train_cifar.default_data_path())
     except (ValueError, tb.DataError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
-    if args.train_subset > len(data["train_y"]):  # (trained on all of them while the settings recorded N)
-        parser.exit(2, f"{parser.prog}: error: --train-subset {args.train_subset} exceeds the "
-                       f"{len(data['train_y'])} training images in {args.data or train_cifar.default_data_path()}\n")
-    if args.train_subset:  # a random subset: the training set is sorted by class
-        keep = np.random.default_rng(0).permutation(len(data["train_y"]))[:args.train_subset]
-        data = dict(data, train_x=data["train_x"][keep], train_y=data["train_y"][keep])
+    try:
+        data = tb.train_subset(data, args.train_subset, args.data or train_cifar.default_data_path())
+    except tb.DataError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     w = WORKLOADS[args.workload]
     n_train = len(data["train_y"]) - settings["holdout"]
     if n_train <= 0 or max(args.batch_sizes) > n_train:

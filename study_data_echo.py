@@ -34,7 +34,6 @@ import os
 import sys
 import time
 
-import numpy as np
 import torch
 
 import core
@@ -57,7 +56,6 @@ WORKLOADS = {
 }
 
 
-CIFAR10_TRAIN_IMAGES = 50000  # checked before any work; the real count again once the data is loaded
 
 # Named by describe_config itself (or set per run by the study); any other --set option follows as key=value.
 DESCRIBED_OPTIONS = {"widths", "batch_size", "epochs", "target", "tta", "eval_every_steps", "echo", "echo_factor",
@@ -380,8 +378,9 @@ def parse_args(argv):
         p.error("factors must be >= 1 and --seeds >= 1")
     if args.train_subset < 0 or args.r_batches < 1:
         p.error("--train-subset must be >= 0 (0: all) and --r-batches >= 1")
-    if args.train_subset > CIFAR10_TRAIN_IMAGES:  # (trained on all of them while the settings recorded N)
-        p.error(f"--train-subset {args.train_subset} exceeds CIFAR-10's {CIFAR10_TRAIN_IMAGES} training images")
+    if args.train_subset > core.CIFAR10_TRAIN_IMAGES:  # (trained on all of them while the settings recorded N)
+        p.error(f"--train-subset {args.train_subset} exceeds CIFAR-10's {core.CIFAR10_TRAIN_IMAGES} "
+                "training images")
     try:
         args.overrides = core.parse_overrides(args.set)
         taken = sorted(set(args.overrides) & set(STUDY_OPTIONS))
@@ -438,12 +437,10 @@ def main(argv=None):
         data = tb.load_cifar10(args.data or train_cifar.default_data_path())
     except tb.DataError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
-    if args.train_subset > len(data["train_y"]):  # (trained on all of them while the settings recorded N)
-        parser.exit(2, f"{parser.prog}: error: --train-subset {args.train_subset} exceeds the "
-                       f"{len(data['train_y'])} training images in {args.data or train_cifar.default_data_path()}\n")
-    if args.train_subset:  # a random subset: the training set is sorted by class
-        keep = np.random.default_rng(0).permutation(len(data["train_y"]))[:args.train_subset]
-        data = dict(data, train_x=data["train_x"][keep], train_y=data["train_y"][keep])
+    try:
+        data = tb.train_subset(data, args.train_subset, args.data or train_cifar.default_data_path())
+    except tb.DataError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     try:  # what train() would refuse, refused before R is measured or any run trains
         for mode, factor, _ in plan(args.modes, args.factors, [0]):
             train_cifar.check_runnable(train_cifar.make_config(workload["preset"],

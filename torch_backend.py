@@ -101,6 +101,18 @@ def validate(data, where):
     return {k: (v.astype(np.int64) if k.endswith("_y") else v) for k, v in data.items()}
 
 
+def train_subset(data, n, where):
+    """The data with a fixed random n of its training images (0: all of them; the rows are sorted by class, so
+    never the first n); more than the data holds is a DataError naming `where` (else all would train while
+    the study recorded n)."""
+    if n > len(data["train_y"]):
+        raise DataError(f"--train-subset {n} exceeds the {len(data['train_y'])} training images in {where}")
+    if not n:
+        return data
+    keep = np.random.default_rng(0).permutation(len(data["train_y"]))[:n]
+    return dict(data, train_x=data["train_x"][keep], train_y=data["train_y"][keep])
+
+
 def dataset_fingerprint(data):
     """Sizes and int64 checksums of a dataset as loaded (numpy, after validate): each row's values summed,
     weighted by the row's position, so the same images in another order differ too. Logs record it, and

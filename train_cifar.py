@@ -352,8 +352,8 @@ def check_config(cfg):
     need(cfg["echo_factor"] >= 1 and cfg["echo_shuffle_buffer"] >= 0, "need echo-factor >= 1, echo-shuffle-buffer >= 0")
     need(cfg["echo"] != "none" or cfg["echo_factor"] == 1,  # (else it silently echoes nothing)
          f"echo-factor {cfg['echo_factor']:g} needs an --echo mode ({', '.join(pipeline.ECHO_MODES[1:])})")
-    need(cfg["eval_every_steps"] >= 0 and 0 <= cfg["holdout"] < 50000,
-         "need eval-every-steps >= 0, 0 <= holdout < 50000")
+    need(cfg["eval_every_steps"] >= 0 and 0 <= cfg["holdout"] < core.CIFAR10_TRAIN_IMAGES,
+         f"need eval-every-steps >= 0, 0 <= holdout < {core.CIFAR10_TRAIN_IMAGES}")
     need(all(int(v) == v and MIN_TRAIN_SIZE <= v <= IMAGE_SIZE for v in cfg["train_sizes"]),
          f"train-sizes must be whole numbers of pixels in {MIN_TRAIN_SIZE}..{IMAGE_SIZE}")
     need(cfg["pipeline"] in ("device", "loader") and cfg["loader_workers"] >= 0,

@@ -62,7 +62,7 @@ def main():
     missing = [n for n in names if n not in found]
     if missing:
         p.error(f"allocator(s) not found on this machine: {', '.join(missing)} (found: {', '.join(found)}); "
-                "e.g. apt-get install libjemalloc2 libtcmalloc-minimal4")
+                f"e.g. apt-get install {' '.join(INSTALL[n] for n in missing if n in INSTALL)}")
     skipped = [n for n in INSTALL if n not in found]
     if not a.allocators and skipped:  # said, so that a table without them is not read as all there is
         print(f"note: skipping {', '.join(skipped)}, not found on this machine; to time "
