@@ -143,6 +143,26 @@ def flops_per_run(summary):
     return summary.get("train_flops_per_run") or summary.get("train_flops_per_step", 0) * summary.get("train_steps", 0)
 
 
+def distinguishing_keys(recipes):
+    """Sorted keys enough to tell every two of these recipes apart in their labels, chosen greedily: while two are
+    alike in the keys chosen, the key that tells the most such pairs apart. Every key on which any two differ made
+    labels of ~17 keys (world_size=1 ...); the keys all of them have could miss the one two recipes differ in
+    where an older log lacks another's (core.differing_keys skips keys a log lacks)."""
+    chosen = set()
+
+    def apart(a, b, keys):
+        return any(k in a and k in b and a[k] != b[k] for k in keys)
+    pending = [(a, b) for a, b in itertools.combinations(recipes, 2) if not apart(a, b, chosen)]
+    while pending:
+        candidates = sorted({k for a, b in pending for k in core.differing_keys([a, b], ignore=["preset"])})
+        if not candidates:  # (recipes alike in every key both have were pooled as one: none left)
+            break
+        best = max(candidates, key=lambda k: sum(apart(a, b, [k]) for a, b in pending))
+        chosen.add(best)
+        pending = [(a, b) for a, b in pending if not apart(a, b, [best])]
+    return sorted(chosen)
+
+
 def recipe_points(summaries):
     """One point per recipe the logs trained, in the order first seen. Logs pool as compare_runs.py pools them
     (compare_runs.recipe: seeds, hardware and compilation aside; an option an older log lacks is not compared).
@@ -160,11 +180,7 @@ def recipe_points(summaries):
             groups.append([r, [s]])
     tags = [""] * len(groups)
     for preset in {r["preset"] for r, _ in groups}:
-        mine = [r for r, _ in groups if r["preset"] == preset]
-        # every key on which two of these recipes differ, not only the keys all of them have: two recipes are
-        # apart by a key both have, which an older log's lack of it must not hide from their labels
-        differ = sorted({k for a, b in itertools.combinations(mine, 2)
-                         for k in core.differing_keys([a, b], ignore=["preset"])})
+        differ = distinguishing_keys([r for r, _ in groups if r["preset"] == preset])
         for i, (r, _) in enumerate(groups):
             if r["preset"] == preset:
                 tags[i] = ", ".join(f"{k}={show_value(r[k])}" for k in differ if k in r)

@@ -1,4 +1,5 @@
 import csv
+import itertools
 import json
 import math
 import os
@@ -295,3 +296,15 @@ def test_documented_reference_commands_plot_one_preset():
         patterns = [w for w in command.split() if w.endswith(".json")]
         presets = {core.read_run_log(p)["preset"] for w in patterns for p in glob.glob(os.path.join(REPO, w))}
         assert len(presets) == 1, (command, presets)
+
+
+def test_distinguishing_keys_are_few_and_tell_every_two_recipes_apart():
+    """Not every key on which any two recipes differ (labels of ~17 keys), yet enough for each pair, also where
+    an older log lacks a key (differing_keys skips it, so those two differ only in another)."""
+    base = dict(preset="fast94", lr=1.0, epochs=10, world_size=1, widths=(64, 256, 256))
+    recipes = [dict(base), dict(base, lr=2.0, world_size=2), dict(base, epochs=8, world_size=2),
+               {k: v for k, v in dict(base, epochs=8, widths=(64, 192, 256)).items() if k != "lr"}]
+    keys = plot_runs.distinguishing_keys(recipes)
+    assert len(keys) <= 3 and "preset" not in keys
+    for a, b in itertools.combinations(recipes, 2):
+        assert any(k in a and k in b and a[k] != b[k] for k in keys), (a, b)
