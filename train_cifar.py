@@ -344,6 +344,8 @@ def check_config(cfg):
     need(cfg["lr_scaling"] in parallel.SCALING_RULES, f"lr-scaling must be one of {', '.join(parallel.SCALING_RULES)}")
     need(cfg["reference_batch_size"] > 0 and cfg["warmup_epochs"] >= 0,
          "need reference-batch-size > 0, warmup-epochs >= 0")
+    need(not cfg["warmup_epochs"] or cfg["lr_knots"][0] + cfg["warmup_epochs"] < cfg["lr_knots"][-1],
+         f"warmup-epochs {cfg['warmup_epochs']:g} must end before the schedule does (epoch {cfg['lr_knots'][-1]:g})")
     need(cfg["bn_group_size"] >= 0 and cfg["sync_bn_group_size"] >= 0 and cfg["allreduce_group_size"] >= 0,
          "group sizes must be >= 0 (0: the default)")
     need(cfg["allreduce"] in ("flat", "hierarchical"), "allreduce must be flat or hierarchical")
@@ -1507,10 +1509,31 @@ def run_options(args):
         overrides, rerun = dict(options, **overrides), (logged, options, predated)
     else:
         preset = args.preset or DEFAULT_PRESET
-    # (only when given here: a preset's or a log's confidence beside --tta 0 is left alone)
-    if args.tta_confidence and not make_config(preset, **{k: v for k, v in overrides.items() if k != "data"})["tta"]:
-        raise ValueError("--tta-confidence picks the images for TTA's extra views; this run has --tta 0")
+    cfg = make_config(preset, **{k: v for k, v in overrides.items() if k != "data"})
+    for key, (takes_effect, needs) in ONLY_WITH.items():  # (a preset's or a log's own values are left alone)
+        if getattr(args, key) is not None and not takes_effect(cfg):
+            raise ValueError(f"--{key.replace('_', '-')} has no effect without {needs}")
     return preset, overrides, rerun
+
+
+# Options that do nothing unless another option is set: given on the command line without it, an error, not a
+# run that silently ignores them. (takes effect?, what it needs)
+ONLY_WITH = dict(
+    trust_coefficient=(lambda c: c["optimizer"] == "lars", "--optimizer lars"),
+    **{k: (lambda c: c["optimizer"] == "muon", "--optimizer muon")
+       for k in ("muon_lr_scale", "muon_momentum", "muon_norm", "muon_ns_steps")},
+    reference_batch_size=(lambda c: c["lr_scaling"] != "none", "--lr-scaling linear or sqrt"),
+    allreduce_group_size=(lambda c: c["allreduce"] == "hierarchical", "--allreduce hierarchical"),
+    echo_shuffle_buffer=(lambda c: c["echo"] != "none", "an --echo mode"),
+    loader_workers=(lambda c: c["pipeline"] == "loader", "--pipeline loader"),
+    select_by=(lambda c: c["select_fraction"] < 1, "--select-fraction below 1"),
+    **{k: (uses_proxy, "--select-fraction below 1 and --select-by proxy") for k in ("proxy_widths", "proxy_every")},
+    **{k: (lambda c: c["lookahead_start_epoch"] >= 0, "--lookahead-start-epoch 0 or later")
+       for k in ("lookahead_every", "lookahead_decay", "lookahead_pow", "lookahead_sync")},
+    ema_decay=(lambda c: c["ema_every"] > 0, "--ema-every above 0"),
+    compile_mode=(lambda c: c["compile"], "--compile true"),
+    tta_confidence=(lambda c: c["tta"] > 0 or not c["tta_confidence"], "--tta 1 or 2"),
+)
 
 
 def main(argv=None):
