@@ -21,9 +21,10 @@ import sys
 
 import core
 
-# Config keys that say how or where a run ran, or what it reports, not what it trains.
+# Config keys that say how or where a run ran, or what it reports, not what it trains. The precision asked for
+# ("auto") is not: the one it resolved to is (recipe's resolved_precision).
 NOT_RECIPE = {"runs", "seed", "compile", "compile_mode", "cpu_conv", "eval_every", "eval_every_steps",
-              "loader_workers", "target", "stop_after_epochs", "loss_scale", "sync_check"}
+              "loader_workers", "target", "stop_after_epochs", "loss_scale", "sync_check", "precision"}
 
 
 LogError = core.LogError
@@ -103,7 +104,8 @@ def summary(s):
         if r.get("total_time_s") is not None:
             times.setdefault(str(r["hardware"]), []).append(r["total_time_s"])
     reached = [r for r in runs if r["target"] is not None and r["accuracy"] >= r["target"]]
-    flops = sorted({round(r["flops"] / 1e15, 3) for r in runs if r["flops"]})  # PF, as printed
+    # FLOPs a run, one per value as printed (PF rounded to 3 decimals made every small run 0.000 PF)
+    flops = list({core.format_flops(f): f for f in sorted({r["flops"] for r in runs if r["flops"]})}.values())
     commits = list(dict.fromkeys(str(log.get("commit"))[:7] for log in s["logs"]))  # in the order given
     return dict(n=len(runs), seeds=seed_ranges([r["seed"] for r in runs]), mean=mean, std=std, commits=commits,
                 se=std / math.sqrt(len(runs)) if len(runs) > 1 else math.nan, reached=len(reached),
@@ -127,13 +129,14 @@ def describe(name, s, out=print):
     se = f" (standard error {m['se']:.2f})" if m["n"] > 1 else ""
     target = "/".join(f"{100 * t:g}%" for t in m["targets"])
     out(f"{name}: {', '.join(s['presets'])}, {logs}, n={m['n']} (seeds {m['seeds']})")
-    out(f"  accuracy {m['mean']:.2f} ± {m['std']:.2f}%{se}; {m['reached']} of {m['n']} reach {target}")
+    out(f"  accuracy {core.format_mean_std(m['mean'], m['std'], m['n'], 2, unit='%')}{se}; "
+        f"{m['reached']} of {m['n']} reach {target}")
     if len(m["targets"]) == 1 and m["n"] > 1:  # does the mean meet the target, or is it within the noise of it?
         half = core.student_t_quantile(0.975, m["n"] - 1) * m["se"]
         gap = m["mean"] - 100 * m["targets"][0]
         out(f"  mean - target {gap:+.2f} points (95% interval {gap - half:+.2f} to {gap + half:+.2f})")
     if m["flops"]:
-        out("  training FLOPs " + " / ".join(f"{f:.3f}" for f in m["flops"]) + " PF a run")
+        out("  training FLOPs " + " / ".join(core.format_flops(f) for f in m["flops"]) + " a run")
     for h, times in m["hardware"].items():
         mean_time, std_time = core.mean_std(times)
         if len(times) > 1:
@@ -157,19 +160,45 @@ def interval(d):
             + (f", {d['df']:.1f} degrees of freedom)" if not math.isnan(d["df"]) else ")"))
 
 
+def machine(hardware):
+    """(processes, device) of a log's hardware string: train_cifar.py prefixes "N processes x " under torchrun."""
+    count, sep, device = hardware.partition(" processes x ")
+    return (int(count), device) if sep and count.isdigit() else (1, hardware)
+
+
+def processes(n):
+    return "1 process" if n == 1 else f"{n} processes"
+
+
 def compare(a, b, out=print):
     acc = [[100 * r["accuracy"] for r in s["runs"]] for s in (a, b)]
     out(f"B - A, all runs (Welch): {interval(core.mean_difference(*acc))}")
     hardware_a, hardware_b = summary(a)["hardware"], summary(b)["hardware"]
-    elsewhere = "" if hardware_a.keys() == hardware_b.keys() else " (on different hardware)"
+    machines_a, machines_b = ({machine(h) for h in hw} for hw in (hardware_a, hardware_b))
+    # Say what differs: the devices, or only how many processes shared the work (the hardware string names both)
+    differs = []
+    if {d for _, d in machines_a} != {d for _, d in machines_b}:
+        differs.append("on different hardware")
+    if {n for n, _ in machines_a} != {n for n, _ in machines_b}:
+        differs.append("with different process counts")
+    elsewhere = f" ({', '.join(differs)})" if differs else ""
     seeds, in_a, in_b = paired_runs(a, b)
     if seeds:  # (on other hardware a seed may not draw the same initialisation and data order)
         out(f"B - A, paired over the {len(seeds)} seed(s) both ran ({seed_ranges(seeds)}): "
             f"{interval(core.paired_difference(in_a, in_b))}{elsewhere}")
-    for h in hardware_a.keys() & hardware_b.keys():  # times compare on one machine only
-        if hardware_a[h] and hardware_b[h]:
-            ratio = core.mean_std(hardware_b[h])[0] / core.mean_std(hardware_a[h])[0]
-            out(f"time per run B / A on {h}: {ratio:.3f}")
+    # Times compare on one device only; on it, runs with other process counts pair up too (the ratio is then
+    # the speed-up from the processes), labelled with their counts.
+    compared = False
+    for h_a, times_a in hardware_a.items():
+        for h_b, times_b in hardware_b.items():
+            (n_a, device), (n_b, device_b) = machine(h_a), machine(h_b)
+            if device == device_b and times_a and times_b:
+                ratio = core.mean_std(times_b)[0] / core.mean_std(times_a)[0]
+                where = h_a if n_a == n_b else f"{device} ({processes(n_a)} in A, {processes(n_b)} in B)"
+                out(f"time per run B / A on {where}: {ratio:.3f}")
+                compared = True
+    if not compared and any(hardware_a.values()) and any(hardware_b.values()):
+        out("times not compared: A and B ran on different hardware")
 
 
 def main(argv=None):

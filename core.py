@@ -323,13 +323,23 @@ def parse_overrides(items):
     return out
 
 
+_terminated = False  # whether sigterm_as_interrupt's last block ended by SIGTERM
+
+
 @contextlib.contextmanager
 def sigterm_as_interrupt():
     """SIGTERM (kill's default, and what batch schedulers send) raises KeyboardInterrupt in the main thread while
     this is active, so a long job stops the way Ctrl-C stops it: finished work saved, summary written. Under
-    nohup and in background jobs of a script SIGINT is ignored, so kill -TERM is the signal that reaches them."""
+    nohup and in background jobs of a script SIGINT is ignored, so kill -TERM is the signal that reaches them.
+    The signal is recorded, so that exit_with turns the caller's exit code for an interrupt (130, SIGINT's)
+    into SIGTERM's (143)."""
+    global _terminated
+
     def interrupt(signum, frame):
+        global _terminated
+        _terminated = True
         raise KeyboardInterrupt(f"signal {signum}")
+    _terminated = False
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:
         yield
@@ -391,6 +401,10 @@ def exit_with(main):
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit finds no pipe
         code = 1
+    except SystemExit as e:  # the studies exit 130 after a KeyboardInterrupt; one that SIGTERM raised is 143
+        if e.code != 130 or not _terminated:
+            raise
+        code = 128 + signal.SIGTERM
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -445,6 +445,41 @@ def allreduce_crossover(nbytes, group_size, intra_latency, intra_bw, inter_laten
     return crossover
 
 
+def faster_rank_ranges(nbytes, group_size, intra_latency, intra_bw, inter_latency, inter_bw, nics_per_group=1,
+                       max_ranks=1 << 16):
+    """[(first, last), ...]: the runs of consecutive multiples of group_size up to max_ranks at which the 2-D
+    all-reduce is faster than the flat ring. allreduce_crossover gives only where it wins for good, so a model
+    in which 2-D wins at a few groups and loses beyond (zero latencies, say) needs these to say so."""
+    args = (nbytes, intra_latency, intra_bw, inter_latency, inter_bw, nics_per_group)
+    ranges = []
+    for n_groups in range(1, max_ranks // group_size + 1):
+        ranks = n_groups * group_size
+        if hierarchical_allreduce_time(n_groups, group_size, *args) < flat_allreduce_time(n_groups, group_size,
+                                                                                          *args):
+            if ranges and ranges[-1][1] == ranks - group_size:
+                ranges[-1][1] = ranks
+            else:
+                ranges.append([ranks, ranks])
+    return [tuple(r) for r in ranges]
+
+
+def format_rank_ranges(ranges):
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
+
+
+def crossover_summary(nbytes, group_size, *links, max_ranks):
+    """Where 2-D wins for good (allreduce_crossover), and any rank counts below that where it is faster too."""
+    crossover = allreduce_crossover(nbytes, group_size, *links, max_ranks=max_ranks)
+    ranges = faster_rank_ranges(nbytes, group_size, *links, max_ranks=max_ranks)
+    largest = max_ranks // group_size * group_size
+    if crossover:
+        earlier = [r for r in ranges if r[1] < crossover]
+        return f"2-D wins from {crossover} ranks" + (f" (and at {format_rank_ranges(earlier)})" if earlier else "")
+    if ranges:
+        return f"2-D is faster at {format_rank_ranges(ranges)} ranks only, not at {largest}"
+    return f"2-D is not faster at any rank count up to {largest}"
+
+
 def cost_model_table(nbytes, group_size, intra_latency, intra_bw, inter_latency, inter_bw, nics_per_group=1,
                      max_ranks=1024, out=print):
     """Prints flat-ring and 2-D all-reduce times for 1, 2, 4, ... groups, then the crossover."""
@@ -457,9 +492,7 @@ def cost_model_table(nbytes, group_size, intra_latency, intra_bw, inter_latency,
         table.row({"ranks": n_groups * group_size, "groups": n_groups, "ring_ms": 1e3 * ring, "2d_ms": 1e3 * two_d,
                    "speedup": ring / two_d})
         n_groups *= 2
-    crossover = allreduce_crossover(nbytes, group_size, *links, max_ranks=max_ranks)
-    largest = max_ranks // group_size * group_size
-    out(f"2-D wins from {crossover} ranks" if crossover else f"2-D is not faster at {largest} ranks")
+    out(crossover_summary(nbytes, group_size, *links, max_ranks=max_ranks))
 
 
 def crossover_table(sizes_bytes, group_size, intra_latency, intra_bw, inter_latency, inter_bw, nics_per_group=1,
@@ -477,7 +510,10 @@ def crossover_table(sizes_bytes, group_size, intra_latency, intra_bw, inter_late
             speedups[f"spd@{ranks}"] = ring / hierarchical_allreduce_time(ranks // group_size, group_size, nbytes,
                                                                            *links)
         crossover = allreduce_crossover(nbytes, group_size, *links, max_ranks=max_ranks)
-        table.row({"grad_MB": f"{nbytes / 1e6:g}", "2d_from": crossover or "never", **speedups})
+        if not crossover:  # "never" hid a 2-D win at fewer ranks (zero latencies: 1.64x at 2 groups)
+            ranges = faster_rank_ranges(nbytes, group_size, *links, max_ranks=max_ranks)
+            crossover = f"{format_rank_ranges(ranges)} only" if ranges else "never"
+        table.row({"grad_MB": f"{nbytes / 1e6:g}", "2d_from": crossover, **speedups})
 
 
 def main(argv=None):
@@ -502,16 +538,18 @@ def main(argv=None):
     cost.add_argument("--inter-latency-us", type=float, default=10.0, help="per message across groups, us")
     cost.add_argument("--max-ranks", type=int, default=1024, help="largest rank count to model")
     args = parser.parse_args(argv)
-    if min(args.group_size, args.nics_per_group) < 1 or min([args.grad_mb, args.intra_gbps, args.inter_gbps]
-                                                            + args.sweep_mb) <= 0:
-        parser.error("group size, NICs per group, gradient sizes and bandwidths must be positive")
+    if args.group_size < 2:  # groups of one make the 2-D all-reduce the flat ring (and divided 0 by 0)
+        parser.error("--group-size must be at least 2: in groups of one rank the 2-D all-reduce is the flat ring")
+    if args.nics_per_group < 1 or min([args.grad_mb, args.intra_gbps, args.inter_gbps] + args.sweep_mb) <= 0:
+        parser.error("NICs per group, gradient sizes and bandwidths must be positive")
     if min(args.intra_latency_us, args.inter_latency_us) < 0 or args.max_ranks < 2 * args.group_size:
         parser.error("latencies must be >= 0 and --max-ranks at least two groups")
     links = (args.group_size, args.intra_latency_us * 1e-6, args.intra_gbps * 1e9 / 8, args.inter_latency_us * 1e-6,
              args.inter_gbps * 1e9 / 8, args.nics_per_group)
     print(f"{args.grad_mb:g} MB gradient, {args.group_size} ranks and {args.nics_per_group} NIC(s) per group:")
     cost_model_table(args.grad_mb * 1e6, *links, max_ranks=args.max_ranks)
-    print("\ncrossover by gradient size (2d_from: ranks from which 2-D is faster; spd@N: ring / 2-D time at N ranks):")
+    print("\ncrossover by gradient size (2d_from: ranks from which 2-D is faster, up to --max-ranks; 'A-B only': "
+          "faster there, not at --max-ranks; spd@N: ring / 2-D time at N ranks):")
     crossover_table([mb * 1e6 for mb in args.sweep_mb], *links, max_ranks=args.max_ranks)
 
 

@@ -95,8 +95,9 @@ def main():
                    batch_size=bs, precision=precision, steps=a.steps, repeats=a.repeats, img_per_s=[mean, std],
                    rates=rates, hardware=tb.device_name(device), torch=torch.__version__, commit=core.git_commit(),
                    date=core.utc_timestamp())
+        rate = f"{mean:,.0f} ± {std:,.0f}" if a.repeats > 1 else f"{mean:,.0f}"  # one repeat has no spread
         print(f"{a.preset}: {world} process(es) x {torch.get_num_threads()} thread(s), global batch {bs}, "
-              f"{precision}: {mean:,.0f} ± {std:,.0f} img/s on {rec['hardware']}")
+              f"{precision}: {rate} img/s on {rec['hardware']}")
         if a.out:
             os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
             with open(a.out, "a") as f:

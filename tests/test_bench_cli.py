@@ -129,7 +129,25 @@ def test_a_batch_of_every_training_image_is_timed(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["bench_ddp.py", "--steps", "2", "--repeats", "1", "--warmup", "0", "--out", "",
                                       *(f"--set={k}={v}".replace(" ", "") for k, v in tiny.items())])
     bench_ddp.main()
-    assert "img/s" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert " img/s on " in out and "±" not in out  # one repeat has no spread: it printed "5,798 ± 0 img/s"
+
+
+def test_ddp_check_runs_the_documented_fp32(tmp_path):
+    """README's 5-seed check was fp32 (on an AVX2 CPU, where auto picks fp32); without --precision the script
+    ran bf16 on a CPU with bf16. Here python and torchrun are stand-ins that record their arguments."""
+    import stat
+    import subprocess
+    for name in ("python", "torchrun"):
+        stub = tmp_path / name
+        stub.write_text(f'#!/bin/sh\necho "{name} $*" >> "{tmp_path}/calls"\n')
+        stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
+    env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}", DATA="cifar10.npz")
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "ddp_check.sh")
+    r = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=60)
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert r.returncode == 0 and [c.split()[0] for c in calls] == ["python", "torchrun"], r.stderr
+    assert all(" --precision fp32 " in f"{c} " and " --runs 5 " in c for c in calls), calls
 
 
 def test_augment_refuses_more_images_a_repeat_than_the_data_holds(tmp_path):

@@ -160,3 +160,51 @@ def test_a_reader_that_leaves_early_gets_no_traceback(real_log, tmp_path, unbuff
     p.stdout.close()  # before the script has written anything
     err = p.stderr.read()
     assert p.wait() == 1 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_one_run_has_no_spread_and_small_runs_keep_their_flops(real_log, tmp_path, capsys):
+    """One run printed "12.70 ± 0.00%"; 73.4 GF a run printed "0.000 PF" (and such runs pooled as one FLOPs)."""
+    one = write_log(tmp_path, real_log, "one", [(0, 0.127)])
+    log = json.loads(open(one).read())
+    log["train_flops_per_run"] = 73.4e9
+    open(one, "w").write(json.dumps(log))
+    assert compare_runs.main([one]) == 0
+    out = capsys.readouterr().out
+    assert "accuracy 12.70%; 0 of 1 reach 94%" in out and "±" not in out
+    assert "training FLOPs 73.4 GF a run" in out
+    other = write_log(tmp_path, real_log, "other", [(1, 0.13)], epochs=2)
+    log["train_flops_per_run"], log["config"]["epochs"] = 146.8e9, 2
+    open(other, "w").write(json.dumps(log))
+    assert compare_runs.summary(compare_runs.series([one, other], allow_mixed=True))["flops"] == [73.4e9, 146.8e9]
+
+
+def test_process_counts_are_told_apart_from_hardware(real_log, tmp_path, capsys):
+    """1 process against 2 on one machine was labelled "on different hardware" and lost its time comparison:
+    train_cifar.py writes the hardware of 2 processes as "2 processes x <device>"."""
+    device = real_log["hardware"]
+    a = write_log(tmp_path, real_log, "a", [(0, 0.94), (1, 0.95)])
+    b = tmp_path / "b.json"
+    log = json.loads(open(a).read())
+    b.write_text(json.dumps(dict(log, hardware=f"2 processes x {device}", world_size=2)))
+    assert compare_runs.main([a, "--vs", str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "(with different process counts)\n" in out and "different hardware" not in out
+    assert f"time per run B / A on {device} (1 process in A, 2 processes in B): 1.000" in out
+    c = tmp_path / "c.json"
+    c.write_text(json.dumps(dict(log, hardware="another machine")))
+    assert compare_runs.main([a, "--vs", str(c)]) == 0
+    out = capsys.readouterr().out
+    assert "(on different hardware)\n" in out and "times not compared: A and B ran on different hardware" in out
+
+
+def test_precision_asked_for_is_not_the_recipe_the_resolved_one_is(real_log, tmp_path):
+    """ddp_check.sh's runs asked for auto, which an AVX2 CPU resolved to fp32; its later runs ask for fp32: one
+    recipe. bf16 against fp32 is not."""
+    auto = write_log(tmp_path, real_log, "auto", [(0, 0.94)], precision="auto")
+    fp32 = write_log(tmp_path, real_log, "fp32", [(1, 0.94)], precision="fp32")
+    assert compare_runs.summary(compare_runs.series([auto, fp32]))["n"] == 2
+    bf16 = json.loads(open(fp32).read())
+    bf16["precision"] = "bf16"
+    (tmp_path / "bf16.json").write_text(json.dumps(bf16))
+    with pytest.raises(compare_runs.LogError, match="resolved_precision"):
+        compare_runs.series([auto, str(tmp_path / "bf16.json")])

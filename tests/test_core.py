@@ -4,6 +4,7 @@ import math
 import os
 import re
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -202,6 +203,26 @@ def test_sigterm_raises_keyboard_interrupt_only_inside_the_block():
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)  # the handler runs at the next bytecode; never reached
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.parametrize("sigterm", [True, False])
+def test_a_study_stopped_by_sigterm_exits_143(sigterm):
+    """The studies catch the KeyboardInterrupt, save, and sys.exit(130) (SIGINT's code) in main: after SIGTERM
+    that is 143, which exit_with makes it; a Ctrl-C keeps 130."""
+    import signal
+
+    def main():  # as study_data_echo.py's main ends an interrupted study
+        try:
+            with core.sigterm_as_interrupt():
+                if sigterm:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(5)  # never reached
+                raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            sys.exit(130)
+    with pytest.raises(SystemExit) as e:
+        core.exit_with(main)
+    assert e.value.code == (143 if sigterm else 130)
 
 
 def test_git_commit_ignores_logs_and_flags_code_changes(tmp_path):

@@ -582,3 +582,27 @@ def test_cost_model_command_prints_two_tables():
     assert out.returncode == 0 and "2-D wins from 16 ranks" in out.stdout, out.stderr
     assert out.stdout.splitlines()[7].split() == ["grad_MB", "2d_from", "spd@16"], out.stdout
     assert "crossover by gradient size" in out.stdout and len(out.stdout.splitlines()) == 12, out.stdout
+
+
+def test_cost_model_says_where_2d_is_faster_when_it_does_not_win_for_good():
+    """Zero latencies: 2-D is 1.64x faster at 16 ranks and slower from 104; the summary said "2-D is not faster
+    at 1024 ranks" and the crossover table "never", next to a speed-up of 1.64 at 16."""
+    links = (8, 0.0, 2400e9 / 8, 0.0, 200e9 / 8)
+    assert parallel.faster_rank_ranges(25e6, *links, max_ranks=1024) == [(16, 96)]
+    lines = []
+    parallel.cost_model_table(25e6, *links, max_ranks=1024, out=lines.append)
+    assert lines[-1] == "2-D is faster at 16-96 ranks only, not at 1024"
+    lines = []
+    parallel.crossover_table([25e6], *links, max_ranks=1024, out=lines.append)
+    assert lines[1].split()[:3] == ["25", "16-96", "only"]
+    lines = []
+    parallel.cost_model_table(8e7, 4, *SHARED_NIC, max_ranks=512, out=lines.append)  # the ring is never slower
+    assert lines[-1] == "2-D is not faster at any rank count up to 512"
+
+
+def test_cost_model_refuses_groups_of_one():
+    """--group-size 1 ended in a ZeroDivisionError (a 2-D all-reduce over groups of one is the flat ring)."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "parallel.py"), "cost-model", "--group-size", "1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "error: --group-size must be at least 2" in out.stderr and out.stdout == ""
