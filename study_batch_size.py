@@ -327,7 +327,8 @@ def append_trial(path, rec):
 
 def describe_params(p):
     bits = [f"lr_eff {p['lr_eff']:.3g}"] + ([f"m {p['momentum']:.3f}"] if p["momentum"] else [])
-    bits += [f"warm-up {p['warmup_frac']:.2f}", f"decay to {p['decay_to']:.3g}"]
+    # both fractions, not absolute values: of the trial's step budget, and of the peak LR at the budget's end
+    bits += [f"warm-up {p['warmup_frac']:.2f} of the budget", f"decay to {p['decay_to']:.3g} x the peak LR"]
     return ", ".join(bits + ([f"trust {p['trust']:.3g}"] if "trust" in p else []))
 
 
@@ -557,10 +558,17 @@ def report(rows, regimes, trend, log=print):
         log(f"{r['batch_size']:>6} {r['reached']:>3}/{r['trials']:<4} {steps:>10} {ratio:>8} {lr('best_lr_eff'):>8} "
             f"{lr('best_lr'):>8} {lr('best_momentum'):>8}  {r['regime']}{edge}")
     if regimes["perfect_end"] is not None:
+        # Larger batch sizes that never reached the target say nothing about a plateau: name them instead.
+        larger = [p for p in regimes["points"] if p["batch_size"] > regimes["max_useful"]]
+        missed = [p["batch_size"] for p in larger if p["steps"] is None]
+        not_reached = (f"{', '.join(map(str, missed))} did not reach the target within "
+                       + ("its budget" if len(missed) == 1 else "their budgets"))
+        flat = f"no larger batch cuts steps by {regimes['useful_tol']:.0%} per doubling"
+        why = (" (or larger: the curve did not flatten in the measured range)" if regimes["beyond_range"] else
+               f" ({flat})" if not missed else f" ({not_reached}: unknown whether larger batches pay off)"
+               if len(missed) == len(larger) else f" ({flat} among those that reached it; {not_reached})")
         log(f"perfect scaling (within {regimes['perfect_tol']:.0%} of ideal) up to batch {regimes['perfect_end']}; "
-            f"maximal useful batch size {regimes['max_useful']}"
-            + (" (or larger: the curve did not flatten in the measured range)" if regimes["beyond_range"] else
-               f" (no larger batch cuts steps by {regimes['useful_tol']:.0%} per doubling)"))
+            f"maximal useful batch size {regimes['max_useful']}" + why)
     for name, t in trend.items():
         if t.get("slope") is not None:
             se = f" ± {t['stderr']:.2f}" if t["stderr"] is not None else ""
@@ -655,7 +663,8 @@ def _finish_log_log_plot(fig, ax, batch_sizes, path):
     """Batch sizes as x tick labels, grid, legend; saves the figure to path and returns path."""
     ax.set_xticks(batch_sizes, [str(b) for b in batch_sizes])
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:  # (nothing reached the target: an empty legend warns)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     import matplotlib.pyplot as plt  # matplotlib is imported only where a plot is drawn
@@ -701,6 +710,9 @@ def study_settings(workload="cpu", optimizer="nesterov", target=None, eval=None,
             raise StudyError(f"--lr-range needs 0 < LO <= HI, both finite, got {lo:g} {hi:g}")
         space["lr_eff"] = (lo, hi, "log")
     eval_split = eval or w["eval"]
+    if holdout is not None and eval_split != "holdout":  # it was dropped: the target is judged on the test set
+        raise StudyError(f"--holdout {holdout} needs --eval holdout (the {workload} workload judges the target on "
+                         f"the {eval_split} set, so no images are held out)")
     holdout = (holdout if holdout is not None else w["holdout"] or 5000) if eval_split == "holdout" else 0
     if eval_split == "holdout" and holdout < 1:  # (0 would judge the target on the test set after all)
         raise StudyError(f"--holdout must be at least 1 with --eval holdout, got {holdout}")
@@ -869,6 +881,9 @@ def cmd_run(parser, args):
         data = tb.train_subset(data, args.train_subset, args.data or train_cifar.default_data_path())
     except tb.DataError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    # The data's identity joins the settings a resume compares: a folder of a subset must not resume on the full
+    # data (or other data), mixing trials of both.
+    settings = dict(settings, data=tb.dataset_fingerprint(data))
     w = WORKLOADS[args.workload]
     n_train = len(data["train_y"]) - settings["holdout"]
     if n_train <= 0 or max(args.batch_sizes) > n_train:
@@ -900,10 +915,33 @@ def cmd_run(parser, args):
         rows, regimes, trend = write_summary(args.out, settings, records, status)
         report(rows, regimes, trend)
         pngs = plot([(f"{args.workload}/{args.optimizer}", rows, regimes, trend)], args.out)
-        print(f"wrote {path}, {os.path.join(args.out, 'summary.tsv')} (all {len(records)} trials in the folder), "
+        trials = f"{path}, " if os.path.exists(path) else ""  # (nothing left to run: this run wrote no trial file)
+        print(f"wrote {trials}{os.path.join(args.out, 'summary.tsv')} (all {len(records)} trials in the folder), "
               f"summary.json, {', '.join(pngs)}", flush=True)
     if status == "interrupted":
         sys.exit(130)
+
+
+def distinguish(groups):
+    """Curves sharing a label ("cpu/nesterov" of two targets) are told apart in place by the settings that differ
+    among them (key=value), or by their folders where only the data or too many settings differ."""
+    def flat(d, prefix=""):
+        for k, v in d.items():
+            yield from flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(prefix + k, v)]
+    by_label = collections.defaultdict(list)
+    for g in groups:
+        by_label[g[1]].append(g)
+    for same in by_label.values():
+        if len(same) < 2:
+            continue
+        flats = [dict(flat(g[2])) for g in same]
+        keys = sorted({k for f in flats for k in f if any(f.get(k) != o.get(k) for o in flats)})
+        shown = [k for k in keys if not k.startswith("data.")]
+        for g, f in zip(same, flats):
+            if shown and len(shown) <= 3 and len(shown) == len(keys):
+                g[1] += " " + ", ".join(f"{k}={list_form(f.get(k))}" for k in shown)
+            else:  # the data's checksums, or a long list of keys, would not make a readable label
+                g[1] += " (" + " + ".join(g[0]) + ")"
 
 
 def cmd_plot(parser, args):
@@ -919,6 +957,7 @@ def cmd_plot(parser, args):
         g[0].append(d)
         for r in records:
             g[3].setdefault(trial_key(r), r)
+    distinguish(list(groups.values()))
     curves = []
     for dirs, label, settings, by_key in groups.values():
         records = list(by_key.values())

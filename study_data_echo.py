@@ -376,6 +376,8 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if any(f < 1 for f in args.factors) or args.seeds < 1:
         p.error("factors must be >= 1 and --seeds >= 1")
+    if args.no_r and args.remeasure_r:  # (--no-r won: R was silently not measured)
+        p.error("--no-r and --remeasure-r contradict each other; give one")
     if args.train_subset < 0 or args.r_batches < 1:
         p.error("--train-subset must be >= 0 (0: all) and --r-batches >= 1")
     if args.train_subset > core.CIFAR10_TRAIN_IMAGES:  # (trained on all of them while the settings recorded N)
@@ -417,11 +419,16 @@ def main(argv=None):
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     results_path = os.path.join(args.out, "results.jsonl")
     records = read_results(results_path)
-    mismatched = [r for r in records if r.get("settings") != args.settings]
-    if mismatched:
-        why = core.settings_difference(mismatched[0].get("settings"), args.settings)
-        parser.exit(2, f"{parser.prog}: error: {results_path} holds runs with other settings ({why}); "
-                       "use another --out\n")
+
+    def refuse_other_settings(settings, but=()):
+        """Exit if a stored run's settings differ from `settings` (keys in `but` not compared)."""
+        strip = lambda d: {k: v for k, v in d.items() if k not in but} if isinstance(d, dict) else d  # noqa: E731
+        mismatched = [r for r in records if strip(r.get("settings")) != strip(settings)]
+        if mismatched:
+            why = core.settings_difference(strip(mismatched[0].get("settings")), strip(settings))
+            parser.exit(2, f"{parser.prog}: error: {results_path} holds runs with other settings ({why}); "
+                           "use another --out\n")
+    refuse_other_settings(args.settings, but=("data",))  # before the data are loaded; with them below
     done = {run_key(r) for r in records}
     todo = [(m, f, s) for m, f, s in plan(args.modes, args.factors, range(args.seed0, args.seed0 + args.seeds))
             if (args.workload, args.pipeline, m, f, s) not in done]
@@ -441,6 +448,10 @@ def main(argv=None):
         data = tb.train_subset(data, args.train_subset, args.data or train_cifar.default_data_path())
     except tb.DataError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    # The data's identity joins the settings: a folder of a subset must not resume on the full data (or vice versa)
+    fingerprint = tb.dataset_fingerprint(data)
+    args.settings["data"] = fingerprint
+    refuse_other_settings(args.settings)
     try:  # what train() would refuse, refused before R is measured or any run trains
         for mode, factor, _ in plan(args.modes, args.factors, [0]):
             train_cifar.check_runnable(train_cifar.make_config(workload["preset"],
@@ -458,11 +469,23 @@ def main(argv=None):
     if os.path.exists(r_path) and not args.remeasure_r:  # one R per study, so a resumed study keeps its own
         with open(r_path) as f:
             r_info = json.load(f)
-        print(f"R = {r_info['R']:.3f} (measured {r_info.get('measured', '?')}, from {r_path}; --remeasure-r to redo)")
-    elif not args.no_r:
-        r_info = measure_r(workload["preset"], overrides, data, device, batches=args.r_batches,
-                           log=lambda m: print(m, flush=True))
-        r_info["measured"] = core.utc_timestamp()
+        if r_info.get("data") != fingerprint:  # (R depends on the data's size: not another data set's R)
+            print(f"{r_path} holds R of other data (or of unrecorded data); "
+                  + ("not used (--no-r)" if args.no_r else "measuring it again"), flush=True)
+            r_info = None
+        else:
+            print(f"R = {r_info['R']:.3f} (measured {r_info.get('measured', '?')}, from {r_path}; "
+                  "--remeasure-r to redo)")
+    if r_info is None and not args.no_r:
+        try:
+            with core.sigterm_as_interrupt():
+                r_info = measure_r(workload["preset"], overrides, data, device, batches=args.r_batches,
+                                   log=lambda m: print(m, flush=True))
+        except KeyboardInterrupt:  # like an interrupt during the runs: a message and 130, not a traceback
+            print(f"\ninterrupted while measuring R: nothing written to {r_path}, finished runs are kept; "
+                  "run the same command to resume", flush=True)
+            sys.exit(130)
+        r_info.update(measured=core.utc_timestamp(), data=fingerprint)
         core.write_json_atomic(r_path, r_info)
 
     def finish(status):
@@ -476,7 +499,8 @@ def main(argv=None):
         write_summary(args.out, rows, meta)
         png = plot(args.out, rows, f"{args.workload}, {args.pipeline} pipeline, target {cfg['target']:g}")
         print_summary(rows, r_info)
-        print(f"wrote {results_path}, {os.path.join(args.out, 'summary.tsv')}, {summary_path}, {png}", flush=True)
+        results = f"{results_path}, " if os.path.exists(results_path) else ""  # (interrupted before any run ended)
+        print(f"wrote {results}{os.path.join(args.out, 'summary.tsv')}, {summary_path}, {png}", flush=True)
 
     log = print if args.verbose else (lambda *a: None)
     t0, walls = time.perf_counter(), []

@@ -456,7 +456,7 @@ def test_sigterm_stops_a_study_like_ctrl_c(tmp_path):
             break
     proc.send_signal(signal.SIGTERM)
     rest = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 130, "".join(lines) + rest
+    assert proc.returncode == 128 + signal.SIGTERM, "".join(lines) + rest  # core.exit_with: 143 after SIGTERM
     assert "interrupted" in rest
     done = sbs.read_trials(str(out / "trials.jsonl"))
     assert 1 <= len(done) < 50
@@ -560,3 +560,75 @@ def test_the_header_describes_the_effective_settings_not_the_workloads_defaults(
     assert header == ("study: cpu (fast94-sgd net at widths 8/16/16, 50% on a 500-image holdout, budget max(4 epochs, "
                       "200 steps), 20 evaluations per budget, bias_lr_scale=1.0, lookahead_start_epoch=-1, tta=0), "
                       "nesterov (Nesterov momentum), batch sizes 16, 1 trials each")
+
+
+def test_a_resume_on_other_data_is_refused_naming_the_data(tmp_path, capsys):
+    """The settings held no trace of the data: a folder built on a subset resumed on other data, mixing trials."""
+    out, argv = tiny_study(tmp_path)
+    sbs.main(argv)
+    assert all("data" in r["settings"] for r in sbs.read_trials(str(out / "trials.jsonl")))
+    other = tmp_path / "other.npz"
+    np.savez(other, **synthetic(n_train=200, n_test=20, seed=1))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        sbs.main([str(other) if a.endswith("tiny.npz") else a for a in argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "other settings (data.test_x" in err and "data.train_x" in err
+
+
+def test_holdout_without_holdout_evaluation_is_a_usage_error(tmp_path, capsys):
+    """gpu94 judges the target on the test set: --holdout 1000 was dropped without a word."""
+    with pytest.raises(SystemExit) as e:
+        sbs.main(["run", "--dry-run", "--workload", "gpu94", "--holdout", "1000", "--out", str(tmp_path / "o")])
+    assert e.value.code == 2 and "--holdout 1000 needs --eval holdout" in capsys.readouterr().err
+
+
+def test_unreached_larger_batch_sizes_are_named_not_called_a_plateau():
+    settings = sbs.study_settings("cpu", "momentum", epochs=40, min_steps=4000)
+    recs = [fake_trial(s) for s in sbs.plan(settings, [64, 128, 256], 1, 45000)]
+    recs = [dict(r, reached=r["batch_size"] == 64, steps_to_target=1000 if r["batch_size"] == 64 else None)
+            for r in recs]
+    lines = []
+    sbs.report(*sbs.summarise(recs), log=lines.append)
+    text = "\n".join(lines)
+    assert "maximal useful batch size 64 (128, 256 did not reach the target within their budgets" in text
+    assert "no larger batch cuts" not in text
+
+
+def test_plots_of_nothing_reached_draw_no_empty_legend(tmp_path):
+    import warnings
+    settings = sbs.study_settings("cpu", "momentum", epochs=40, min_steps=4000)
+    recs = [dict(fake_trial(s), reached=False, steps_to_target=None)
+            for s in sbs.plan(settings, [64, 128], 1, 45000)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "No artists with labels found to put in legend"
+        sbs.plot([("cpu/momentum", *sbs.summarise(recs))], str(tmp_path))
+
+
+def test_plot_labels_tell_curves_of_other_settings_apart(study, tmp_path, monkeypatch):
+    settings, specs, _ = study
+    dirs = []
+    for target in (0.65, 0.7):
+        d = tmp_path / f"t{target}"
+        d.mkdir()
+        sbs.run_study(specs[:2], fake_trial, str(d / "trials.jsonl"), dict(settings, target=target), log=QUIET)
+        dirs.append(str(d))
+    seen = []
+    monkeypatch.setattr(sbs, "plot", lambda curves, out: seen.extend(c[0] for c in curves) or [])
+    sbs.main(["plot", *dirs, "--out", str(tmp_path / "plots")])
+    assert seen == ["cpu/momentum target=0.65", "cpu/momentum target=0.7"]
+
+
+def test_a_resume_with_nothing_to_run_names_no_unwritten_file(tmp_path, capsys):
+    out, argv = tiny_study(tmp_path)
+    sbs.main(argv + ["--shard", "0/2"])
+    sbs.main(argv + ["--shard", "1/2"])
+    capsys.readouterr()
+    sbs.main(argv)  # everything done by the shards: trials.jsonl is never written
+    wrote = [line for line in capsys.readouterr().out.splitlines() if line.startswith("wrote")]
+    assert not (out / "trials.jsonl").exists() and wrote and "trials.jsonl" not in wrote[0]
+
+
+def test_printed_metaparameters_say_what_they_are_fractions_of():
+    p = dict(lr_eff=1.0, momentum=0.9, warmup_frac=0.06, decay_to=0.131)
+    assert "warm-up 0.06 of the budget, decay to 0.131 x the peak LR" in sbs.describe_params(p)

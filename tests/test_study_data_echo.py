@@ -204,3 +204,57 @@ def test_a_folder_of_other_settings_is_refused_naming_what_differs(tmp_path, cap
     assert "other settings (overrides.precision fp32 there, unset here; target 0.8 there, 0.15 here)" in err
     assert "workload" not in err
 
+
+
+def tiny_echo(tmp_path, name="tiny.npz", seed=0):
+    data = str(tmp_path / name)
+    np.savez(data, **synthetic(n_train=200, n_test=50, seed=seed))
+    return ["--data", data, "--out", str(tmp_path / "out"), "--seeds", "1", "--factors", "1", "2", "--modes",
+            "batch", "--target", "0.01", "--r-batches", "2", "--set", "batch_size=50", "--set", "epochs=1",
+            "--set", "widths=(8,16,16)", "--set", "eval_every_steps=2", "--set", "precision=fp32"]
+
+
+def test_a_resume_on_other_data_is_refused_and_r_is_not_reused(tmp_path, capsys, monkeypatch):
+    """Neither the settings nor r.json knew the data: a subset's folder resumed on other data and kept its R."""
+    argv = tiny_echo(tmp_path)
+    study.main(argv)
+    out = tmp_path / "out"
+    assert all("data" in json.loads(l)["settings"] for l in (out / "results.jsonl").read_text().splitlines())
+    other = tiny_echo(tmp_path, "other.npz", seed=1)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        study.main(other)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "other settings (data.test_x" in err
+    (out / "results.jsonl").unlink()  # no runs left to refuse: r.json alone must not lend its R to other data
+    measured = []
+    monkeypatch.setattr(study, "measure_r", lambda *a, **k: measured.append(1) or dict(R=2.0))
+    study.main(other[:other.index("--seeds")] + ["--seeds", "1", "--factors", "1", "--modes", "batch"]
+               + other[other.index("--target"):])
+    assert measured == [1] and "holds R of other data" in capsys.readouterr().out
+
+
+def test_an_interrupt_while_r_is_measured_exits_130_with_a_message(tmp_path, capsys, monkeypatch):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(study, "measure_r", interrupted)
+    with pytest.raises(SystemExit) as e:
+        study.main(tiny_echo(tmp_path))
+    assert e.value.code == 130 and "interrupted while measuring R" in capsys.readouterr().out
+    assert not (tmp_path / "out" / "r.json").exists()
+
+
+def test_no_r_with_remeasure_r_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        study.main(["--no-r", "--remeasure-r", "--data", "/nonexistent.npz", "--out", str(tmp_path / "out")])
+    assert e.value.code == 2 and "--no-r and --remeasure-r" in capsys.readouterr().err
+
+
+def test_an_interrupt_before_any_run_ends_names_no_unwritten_results_file(tmp_path, capsys, monkeypatch):
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(study, "one_run", interrupted)
+    with pytest.raises(SystemExit) as e:
+        study.main(tiny_echo(tmp_path) + ["--no-r"])
+    wrote = [line for line in capsys.readouterr().out.splitlines() if line.startswith("wrote")]
+    assert e.value.code == 130 and wrote and "results.jsonl" not in wrote[0]
