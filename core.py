@@ -395,6 +395,7 @@ def stamped_log_path(log_dir, name, timestamp):
 def exit_with(main):
     """sys.exit(main()) for a command-line script (an exit code, or anything else for 0), quiet when its reader
     leaves early (`... | head`): Python would print a BrokenPipeError traceback, twice, for output nobody reads."""
+    global _terminated
     try:
         code = main()
         sys.stdout.flush()
@@ -402,7 +403,8 @@ def exit_with(main):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit finds no pipe
         code = 1
     except SystemExit as e:  # the studies exit 130 after a KeyboardInterrupt; one that SIGTERM raised is 143
-        if e.code != 130 or not _terminated:
+        terminated, _terminated = _terminated, False  # (read once: a later main() in this process starts clean)
+        if e.code != 130 or not terminated:
             raise
         code = 128 + signal.SIGTERM
     sys.exit(code if isinstance(code, int) else 0)

@@ -869,7 +869,7 @@ def cmd_run(parser, args):
                   f"{spec['budget_steps']} steps ({spec['budget_epochs']:.2f} epochs), eval every "
                   f"{spec['eval_every_steps']}")
         return
-    import torch_backend as tb  # only here: planning and plotting run without torch
+    import torch_backend as tb  # only here: plotting runs without torch (planning imports train_cifar)
     import train_cifar
     try:
         device = tb.resolve_device(args.device)

@@ -1524,7 +1524,6 @@ ONLY_WITH = dict(
        for k in ("muon_lr_scale", "muon_momentum", "muon_norm", "muon_ns_steps")},
     reference_batch_size=(lambda c: c["lr_scaling"] != "none", "--lr-scaling linear or sqrt"),
     allreduce_group_size=(lambda c: c["allreduce"] == "hierarchical", "--allreduce hierarchical"),
-    echo_shuffle_buffer=(lambda c: c["echo"] != "none", "an --echo mode"),
     loader_workers=(lambda c: c["pipeline"] == "loader", "--pipeline loader"),
     select_by=(lambda c: c["select_fraction"] < 1, "--select-fraction below 1"),
     **{k: (uses_proxy, "--select-fraction below 1 and --select-by proxy") for k in ("proxy_widths", "proxy_every")},

@@ -306,3 +306,16 @@ def test_settings_difference_names_each_differing_key_with_both_values():
         "budget steps there, fresh here; overrides.precision unset there, fp32 here; "
         "overrides.widths [8, 16, 16] there, [8, 8, 8] here")
     assert core.settings_difference(None, here) == "none recorded there"
+
+
+def test_exit_with_reads_the_sigterm_flag_once():
+    """A study stopped by SIGTERM exits 143; a later interrupt in the same process (Ctrl-C) is 130 again."""
+    def interrupted():
+        sys.exit(130)
+    core._terminated = True
+    codes = []
+    for _ in range(2):
+        with pytest.raises(SystemExit) as e:
+            core.exit_with(interrupted)
+        codes.append(e.value.code)
+    assert codes == [143, 130]

@@ -46,7 +46,6 @@ def tiny_npz(tmp_path, tiny):
     (["--preset", "fast94-sgd", "--trust-coefficient", "0.01"], "--trust-coefficient has no effect without --optimizer"),
     (["--preset", "fast94-sgd", "--muon-lr-scale", "0.5"], "--muon-lr-scale has no effect without --optimizer muon"),
     (["--reference-batch-size", "256"], "--reference-batch-size has no effect without --lr-scaling linear or sqrt"),
-    (["--echo-shuffle-buffer", "10"], "--echo-shuffle-buffer has no effect without an --echo mode"),
     (["--loader-workers", "4"], "--loader-workers has no effect without --pipeline loader"),
     (["--proxy-every", "2"], "--proxy-every has no effect without --select-fraction below 1 and --select-by proxy"),
     (["--compile-mode", "reduce-overhead"], "--compile-mode has no effect without --compile true"),
