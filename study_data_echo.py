@@ -4,7 +4,7 @@ and echo factor, over several seeds.
     python study_data_echo.py --workload cpu --data cifar10.npz                # small net, ~1-2 min a run on a CPU
     python study_data_echo.py --workload gpu94 --pipeline loader --seeds 5      # fast94-sgd to 94%: the GPU study
     python study_data_echo.py --seeds 1 --factors 1 2 --modes batch --train-subset 2000 --target 0.15 \\
-        --set epochs=2 --set "widths=(8,16,16)" --out /tmp/echo-smoke     # a smoke test (seconds)
+        --set epochs=8 --set "widths=(8,16,16)" --out /tmp/echo-smoke     # a smoke test (seconds)
 
 Every run is train_cifar.train(..., stop_at_target=True). Factor 1 is the no-echo baseline (mode "none"), run
 once per seed. Each finished run is appended to OUT/results.jsonl at once, so an interrupted study loses at most
@@ -281,9 +281,11 @@ def print_summary(rows, r_info, log=print):
     log(f"{'mode':>18} {'e':>4} {'n':>5} {'fresh to target':>21} {'time to target (s)':>19} "
         f"{'fresh x':>8} {'time x':>7} {'min(e,R)':>8} {'ideal x':>8}")
     for row in rows:
+        one = row["n_reached"] == 1  # one run has no spread ("± 0" would read as measured)
+        fresh_std, time_std = ("", "") if one else (f"± {row['fresh_std']:<6.0f}", f"± {row['time_std_s']:<6.1f}")
         log(f"{row['mode']:>18} {row['factor']:>4g} {row['n_reached']:>2}/{row['n']:<2} "
-            f"{row['fresh_mean']:>12.0f} ± {row['fresh_std']:<6.0f} "
-            f"{row['time_mean_s']:>10.1f} ± {row['time_std_s']:<6.1f} {row['fresh_speedup']:>8.2f} "
+            f"{row['fresh_mean']:>12.0f} {fresh_std:<8}"
+            f"{row['time_mean_s']:>10.1f} {time_std:<8}{row['fresh_speedup']:>8.2f} "
             f"{row['time_speedup']:>7.2f} {row['min_e_R']:>8.2f} {row['ideal_time_speedup']:>8.2f}")
     if r_info:
         log(f"R = {r_info['R']:.3f}: " + ("the pipeline is the bottleneck, echoing can save wall-clock time"
