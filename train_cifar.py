@@ -786,11 +786,9 @@ def data_fingerprint(data):
     on any machine): a checkpoint must not resume on other data, or the same in another order (its example
     indices, loss history and stream position would then point elsewhere). Not the logs' fingerprint
     (tb.dataset_fingerprint, of the data as loaded): this one also changes with the precision, pad and holdout."""
-    def checksum(t):
-        ints = t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-        per_row = ints.reshape(len(ints), -1).sum(1)  # (integer sums accumulate in int64)
-        return int((per_row * torch.arange(1, len(per_row) + 1, device=per_row.device)).sum())
-    return {k: [len(data[k]), checksum(data[k])] for k in ("train_x", "train_y", "test_x", "test_y")}
+    def bits(t):  # the tensor's bits as integers, on the host, for tb.dataset_fingerprint's checksums
+        return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return tb.dataset_fingerprint({k: bits(data[k]).cpu().numpy() for k in ("train_x", "train_y", "test_x", "test_y")})
 
 
 def checkpoint_mismatch(state, cfg, seed, precision, fingerprint=None):
