@@ -814,8 +814,8 @@ def checkpoint_mismatch(state, cfg, seed, precision, fingerprint=None):
         return (f"belongs to another configuration (differs in {', '.join(differ)}); "
                 "remove it or pass another --checkpoint")
     # last: the data as on the device also differs with the precision, the padding and the holdout
-    if fingerprint and state.get("data") and state["data"] != fingerprint:
-        differ = [k for k in fingerprint if state["data"].get(k) != fingerprint[k]]
+    differ = data_differs(state.get("data"), fingerprint)
+    if differ:
         return (f"was trained on other data ({', '.join(differ)} differ: {state['data']['train_x'][0]} training "
                 f"images there, {fingerprint['train_x'][0]} here); pass the --data it ran on")
     return None
