@@ -752,8 +752,8 @@ def describe_settings(settings):
     net = settings["preset"] + (" net at widths " + "/".join(map(str, cfg["widths"])) if cfg["widths"] else "")
     where = (f"on a {settings['holdout']}-image holdout" if settings["eval"] == "holdout" else "on the test set")
     preset = train_cifar.make_config(settings["preset"])
-    given = [k for k in sorted(cfg) if k not in DESCRIBED_OPTIONS | {"target", "holdout", "runs", "seed", "preset"}
-             and list_form(cfg[k]) != list_form(preset[k])]  # the workload's own changes too (gpu94: tta=0 ...)
+    # the workload's own changes from its preset too (gpu94: tta=0 ...)
+    given = core.differing_keys([cfg, preset], ignore=DESCRIBED_OPTIONS | {"target", "holdout", "runs", "seed"})
     return ", ".join([net, f"{settings['target'] * 100:g}% {where}",
                       f"budget max({settings['epochs']:g} epoch{'s' if settings['epochs'] != 1 else ''}, "
                       f"{settings['min_steps']} steps)",
