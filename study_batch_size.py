@@ -851,8 +851,11 @@ def parse_args(argv):
                                  f"{max(args.batch_sizes)}")
             # every trial's options (the target, each sampled LR and budget, ghost-BN groups dividing the batch)
             # checked now, not after hours of others
+            given = core.parse_overrides(args.set)
             for spec in plan(args.settings, args.batch_sizes, args.trials, n_train):
-                train_cifar.check_distributed(train_cifar.make_config(w["preset"], **spec["train"]), 1)
+                cfg = train_cifar.make_config(w["preset"], **spec["train"])
+                train_cifar.check_distributed(cfg, 1)
+                train_cifar.check_given(cfg, given, as_set=True)
         except ValueError as e:
             p.error(str(e))
         args.out = args.out or os.path.join("logs", f"batch-size-{args.workload}-{args.optimizer}")

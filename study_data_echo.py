@@ -399,7 +399,9 @@ def parse_args(argv):
         workload = WORKLOADS[args.workload]
         train_cifar.make_config(workload["preset"], **dict(workload["overrides"], **args.overrides))
         for mode, factor, _ in plan(args.modes, args.factors, [0]):  # every run's options, before any run
-            train_cifar.make_config(workload["preset"], **run_overrides(args, workload, mode, factor))
+            train_cifar.check_given(train_cifar.make_config(workload["preset"],
+                                                            **run_overrides(args, workload, mode, factor)),
+                                    args.overrides, as_set=True)
     except ValueError as e:
         p.error(str(e))
     args.out = args.out or os.path.join("logs", f"echo-{args.workload}-{args.pipeline}")

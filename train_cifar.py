@@ -1508,10 +1508,19 @@ def run_options(args):
     else:
         preset = args.preset or DEFAULT_PRESET
     cfg = make_config(preset, **{k: v for k, v in overrides.items() if k != "data"})
-    for key, (takes_effect, needs) in ONLY_WITH.items():  # (a preset's or a log's own values are left alone)
-        if getattr(args, key) is not None and not takes_effect(cfg):
-            raise ValueError(f"--{key.replace('_', '-')} has no effect without {needs}")
+    # (a preset's or a log's own values are left alone: only what this command line gives)
+    check_given(cfg, [k for k in ONLY_WITH if getattr(args, k) is not None])
     return preset, overrides, rerun
+
+
+def check_given(cfg, given, as_set=False):
+    """Refuses options given (names) that have no effect in cfg, as ONLY_WITH says; as_set: named as a study's or
+    benchmark's --set KEY= rather than as train_cifar's --key."""
+    for key in given:
+        takes_effect, needs = ONLY_WITH.get(key, (None, None))
+        if takes_effect and not takes_effect(cfg):
+            raise ValueError(f"{f'--set {key}=' if as_set else '--' + key.replace('_', '-')} has no effect "
+                             f"without {needs}")
 
 
 # Options that do nothing unless another option is set: given on the command line without it, an error, not a

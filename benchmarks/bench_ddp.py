@@ -40,7 +40,9 @@ def main():
     # What train() would refuse, and an --out that cannot be written, fail here: before the process group
     # exists (each rank on its own, none waits for another) and before a measurement is taken and lost.
     try:
-        cfg = train_cifar.make_config(a.preset, **core.parse_overrides(a.set))
+        overrides = core.parse_overrides(a.set)
+        cfg = train_cifar.make_config(a.preset, **overrides)
+        train_cifar.check_given(cfg, overrides, as_set=True)
         train_cifar.check_runnable(cfg, N_TRAIN, tb.default_device(),
                                    int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ else 1)
         if cfg["select_fraction"] < 1:  # its steps would be timed without the selection

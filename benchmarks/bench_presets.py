@@ -187,8 +187,9 @@ def main():
     for preset in a.presets:
         try:
             # (with --flops-only nothing runs: FLOPs are counted in fp32 on the meta device)
-            train_cifar.check_runnable(train_cifar.make_config(preset, **overrides), N_TRAIN,
-                                       None if a.flops_only else device)
+            cfg = train_cifar.make_config(preset, **dict(overrides, compile=a.compile))  # (as measure() builds it)
+            train_cifar.check_runnable(cfg, N_TRAIN, None if a.flops_only else device)
+            train_cifar.check_given(cfg, overrides, as_set=True)
         except ValueError as e:
             p.error(f"{preset}: {e}")
     if a.flops_only:

@@ -109,6 +109,11 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="bench_ddp.py ru
                  marks=CPU_ONLY),
     ("bench_ddp.py", [*TINY_STEP, "--warmup", "0", "--set", "select_fraction=0.5"],
      "this times plain data-parallel steps, without data selection"),
+    # options without effect in what is timed (the compile mode of an eager step timed as if compiled)
+    ("bench_presets.py", ["--flops-only", "--presets", "fast94", "--set", "compile_mode=reduce-overhead"],
+     "fast94: --set compile_mode= has no effect without --compile true"),
+    ("bench_ddp.py", [*TINY_STEP, "--warmup", "0", "--set", "trust_coefficient=0.01"],
+     "--set trust_coefficient= has no effect without --optimizer lars"),
 ])
 def test_options_train_would_refuse_exit_2_before_anything_is_timed(tmp_path, script, args, message):
     """The checks train() makes before a run (the batch fits the training images, ghost-BN groups divide it, the

@@ -435,6 +435,14 @@ def test_options_the_study_sets_per_trial_cannot_be_overridden():
         sbs.study_settings("cpu", "sgd", overrides=dict(momentum=0.9))
 
 
+def test_set_options_without_effect_are_usage_errors(tmp_path, capsys):
+    """An option that does nothing in the study's trials (EMA decay without EMA) would be recorded in its
+    settings and plot labels as if it had been studied."""
+    with pytest.raises(SystemExit) as e:
+        sbs.main(["run", "--set", "ema_decay=0.9", "--dry-run", "--out", str(tmp_path / "out")])
+    assert e.value.code == 2 and "--set ema_decay= has no effect without --ema-every above 0" in capsys.readouterr().err
+
+
 def test_sigterm_stops_a_study_like_ctrl_c(tmp_path):
     # Background jobs under nohup ignore SIGINT; kill's SIGTERM must still keep finished trials and the summary.
     import signal

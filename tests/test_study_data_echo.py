@@ -125,6 +125,8 @@ def test_tiny_study_writes_everything_and_resumes(tmp_path, capsys):
     (["--train-subset", "-10"], "--train-subset must be >= 0 (0: all)"),  # trained on all but 10 images
     (["--train-subset", "60000"], "--train-subset 60000 exceeds CIFAR-10's 50000 training images"),  # all 50000
     (["--r-batches", "0"], "--r-batches >= 1"),  # divided by zero
+    # (the study's workload trains with SGD: its results would be labelled with a setting that did nothing)
+    (["--set", "muon_lr_scale=2"], "--set muon_lr_scale= has no effect without --optimizer muon"),
 ])
 def test_options_that_would_fail_a_run_are_usage_errors_before_any_run(tmp_path, capsys, args, message):
     """Every planned run's options pass train_cifar's checks before data or output are touched (a target of 2
