@@ -806,7 +806,8 @@ def parse_args(argv):
     r.add_argument("--trial-order", type=int, nargs="+", default=[], metavar="T",
                    help="run these trials first, in this order (the others follow); the metaparameters of trial t "
                         "do not change, only when it runs")
-    r.add_argument("--dry-run", action="store_true", help="print the planned trials and exit")
+    r.add_argument("--dry-run", action="store_true",
+                   help="print the planned trials and exit (budgets for CIFAR-10 unless --data is given)")
     r.add_argument("--verbose", action="store_true", help="print every trial's training log")
     q = sub.add_parser("plot", help="summaries and plots of one or several output folders (one curve each)")
     q.add_argument("dirs", nargs="+", help="output folders of `run`")
@@ -862,36 +863,46 @@ def parse_args(argv):
     return p, args
 
 
+def load_data(parser, args):
+    """The training data of the study (--train-subset taken), or a one-line error."""
+    import torch_backend as tb
+    import train_cifar
+    path = args.data or train_cifar.default_data_path()
+    try:
+        return tb.train_subset(tb.load_cifar10(path), args.train_subset, path)
+    except tb.DataError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+
+
 def cmd_run(parser, args):
     settings = args.settings
-    if args.dry_run:
+    if args.dry_run:  # budgets are in epochs of the training images: CIFAR-10's unless --data names other data
         print(study_header(args), flush=True)
-        n = (args.train_subset or core.CIFAR10_TRAIN_IMAGES) - settings["holdout"]
-        for spec in plan(settings, args.batch_sizes, args.trials, n, args.shard, args.trial_order):
+        data = load_data(parser, args) if args.data else None
+    else:
+        import torch_backend as tb  # only here: plotting runs without torch (planning imports train_cifar)
+        import train_cifar
+        try:
+            device = tb.resolve_device(args.device)
+            os.makedirs(core.writable_folder(args.out, "--out"), exist_ok=True)
+        except ValueError as e:
+            parser.exit(2, f"{parser.prog}: error: {e}\n")
+        data = load_data(parser, args)
+        # The data's identity joins the settings a resume compares: a folder of a subset must not resume on the
+        # full data (or other data), mixing trials of both.
+        settings = dict(settings, data=tb.dataset_fingerprint(data))
+    n_train = ((len(data["train_y"]) if data else args.train_subset or core.CIFAR10_TRAIN_IMAGES)
+               - settings["holdout"])
+    if n_train <= 0 or max(args.batch_sizes) > n_train:
+        parser.exit(2, f"{parser.prog}: error: batch sizes up to {max(args.batch_sizes)} need more than the "
+                       f"{n_train} training images left (holdout {settings['holdout']})\n")
+    if args.dry_run:
+        for spec in plan(settings, args.batch_sizes, args.trials, n_train, args.shard, args.trial_order):
             print(f"b={spec['batch_size']:<5} trial {spec['trial']}: {describe_params(spec['params'])}; budget "
                   f"{spec['budget_steps']} steps ({spec['budget_epochs']:.2f} epochs), eval every "
                   f"{spec['eval_every_steps']}")
         return
-    import torch_backend as tb  # only here: plotting runs without torch (planning imports train_cifar)
-    import train_cifar
-    try:
-        device = tb.resolve_device(args.device)
-        os.makedirs(core.writable_folder(args.out, "--out"), exist_ok=True)
-        data = tb.load_cifar10(args.data or train_cifar.default_data_path())
-    except (ValueError, tb.DataError) as e:
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
-    try:
-        data = tb.train_subset(data, args.train_subset, args.data or train_cifar.default_data_path())
-    except tb.DataError as e:
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
-    # The data's identity joins the settings a resume compares: a folder of a subset must not resume on the full
-    # data (or other data), mixing trials of both.
-    settings = dict(settings, data=tb.dataset_fingerprint(data))
     w = WORKLOADS[args.workload]
-    n_train = len(data["train_y"]) - settings["holdout"]
-    if n_train <= 0 or max(args.batch_sizes) > n_train:
-        parser.exit(2, f"{parser.prog}: error: batch sizes up to {max(args.batch_sizes)} need more than the "
-                       f"{n_train} training images left (holdout {settings['holdout']})\n")
     path = shard_path(args.out, args.shard)
     specs = plan(settings, args.batch_sizes, args.trials, n_train, args.shard, args.trial_order)
     try:  # trials vary the optimizer and its schedule, not the precision (fp16 on a CPU failed the first trial)

@@ -542,6 +542,22 @@ def test_impossible_run_options_are_usage_errors_naming_the_option(tmp_path, cap
     assert not (tmp_path / "out").exists()
 
 
+def test_a_dry_run_plans_budgets_for_the_data_given(tmp_path, capsys):
+    """Budgets are epochs of the training images: a dry run on 200 images planned CIFAR-10's 2500 steps an epoch."""
+    npz = tmp_path / "tiny.npz"
+    np.savez(npz, **synthetic(n_train=200, n_test=20))
+    common = ["run", "--dry-run", "--optimizer", "sgd", "--trials", "1", "--eval", "test", "--epochs", "2",
+              "--min-steps", "3", "--out", str(tmp_path / "out"), "--data", str(npz)]
+    sbs.main(common + ["--batch-sizes", "20", "50"])
+    out = capsys.readouterr().out
+    assert "b=20    trial 0:" in out and "budget 20 steps (2.00 epochs)" in out  # 2 epochs of 200 / 20
+    assert "b=50    trial 0:" in out and "budget 8 steps (2.00 epochs)" in out
+    with pytest.raises(SystemExit) as e:
+        sbs.main(common + ["--batch-sizes", "20", "400"])
+    assert e.value.code == 2 and "batch sizes up to 400 need more than the 200 training images" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("args, message", [
     (["--batch-sizes", "16", "40", "--set", "bn_group_size=16"], "batch 40 is not divisible into BN groups of 16"),
     (["--batch-sizes", "20", "40", "--set", "precision=fp16"], "fp16 is for CUDA GPUs"),
