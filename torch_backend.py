@@ -150,7 +150,18 @@ def load_cifar10(path, download=True):
     elif os.path.isfile(os.path.join(path, "data_batch_1")):
         data = _load_batches_dir(path)
     elif os.path.isdir(os.path.join(path, BATCHES_DIR)):
-        data = _load_batches_dir(os.path.join(path, BATCHES_DIR))
+        try:
+            data = _load_batches_dir(os.path.join(path, BATCHES_DIR))
+        except DataError as e:  # an interrupted extraction: the tarball beside it, or a download extracts it again
+            if os.path.isfile(os.path.join(path, TARBALL)):
+                data = _load_tarball(os.path.join(path, TARBALL))
+            elif download:
+                try:
+                    data = _download(path, hint)
+                except DataError as failed:
+                    raise DataError(f"{e}; {failed}") from None
+            else:
+                raise
     elif os.path.isfile(os.path.join(path, TARBALL)):
         data = _load_tarball(os.path.join(path, TARBALL))
     elif os.path.isfile(os.path.join(path, "cifar10.npz")):

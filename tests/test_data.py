@@ -1,5 +1,6 @@
 import os
 import pickle
+import sys
 import tarfile
 
 import numpy as np
@@ -32,6 +33,24 @@ def test_npz_batches_folder_and_tarball_load_the_same(tmp_path, tiny):
         tar.add(tmp_path / "root" / tb.BATCHES_DIR, arcname=tb.BATCHES_DIR)
     for path in (tmp_path / "c.npz", tmp_path / "root", tmp_path / "root" / tb.BATCHES_DIR, tmp_path / tb.TARBALL):
         assert_same(tb.load_cifar10(str(path), download=False), tiny)
+
+
+def test_an_incomplete_folder_beside_its_tarball_loads_the_tarball(tmp_path, tiny, monkeypatch):
+    """An interrupted extraction left a folder missing batches: the complete tarball beside it was never read."""
+    write_batches(tmp_path / "src" / tb.BATCHES_DIR, tiny)
+    os.makedirs(tmp_path / "root")
+    with tarfile.open(tmp_path / "root" / tb.TARBALL, "w:gz") as tar:
+        tar.add(tmp_path / "src" / tb.BATCHES_DIR, arcname=tb.BATCHES_DIR)
+    write_batches(tmp_path / "root" / tb.BATCHES_DIR, tiny)
+    os.remove(tmp_path / "root" / tb.BATCHES_DIR / "data_batch_3")
+    assert_same(tb.load_cifar10(str(tmp_path / "root"), download=False), tiny)
+    # no tarball: offline, the folder's own error; with download, the download's too (it would extract again)
+    os.remove(tmp_path / "root" / tb.TARBALL)
+    with pytest.raises(tb.DataError, match="incomplete CIFAR-10 folder, missing data_batch_3$"):
+        tb.load_cifar10(str(tmp_path / "root"), download=False)
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # (no download here: as if it were not installed)
+    with pytest.raises(tb.DataError, match="missing data_batch_3; no CIFAR-10 data at .*torchvision .* not installed"):
+        tb.load_cifar10(str(tmp_path / "root"), download=True)
 
 
 def test_files_are_read_by_their_contents_not_their_names(tmp_path, tiny):
