@@ -368,8 +368,7 @@ def parse_args(argv):
     p.add_argument("--data", default=None, help="CIFAR-10 .npz, tarball or folder (default: $CIFAR10_DATA or ./data)")
     p.add_argument("--train-subset", type=int, default=0, metavar="N",
                    help="train on a fixed random N of the training images (smoke tests; 0: all)")
-    p.add_argument("--device", default=None, type=tb.device_option,
-                   help="cpu, cuda, ... (default: cuda if available)")
+    tb.add_device_option(p)
     p.add_argument("--out", default=None, help="output folder (default logs/echo-<workload>-<pipeline>)")
     p.add_argument("--r-batches", type=int, default=10, help="timed batches for t_upstream and t_downstream")
     p.add_argument("--no-r", action="store_true", help="do not measure R (an R already in OUT/r.json is still used)")

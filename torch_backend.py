@@ -201,6 +201,12 @@ def resolve_device(name=None):
     return device
 
 
+def add_device_option(parser):
+    """The --device option every script shares (checked as it is parsed, with device_option)."""
+    parser.add_argument("--device", default=None, type=device_option,
+                        help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+
+
 def device_option(text):
     """argparse type for --device: the error names the option and says why (resolve_device)."""
     try:

@@ -1469,8 +1469,7 @@ def parse_args(argv):
                         "them) and compare each with the logged run of its seed, epoch by epoch")
     p.add_argument("--data", default=None, help="CIFAR-10 .npz, tarball or folder (default: $CIFAR10_DATA or ./data)")
     p.add_argument("--log-dir", default="logs", help="where the JSON summary and TSV table go ('' for none)")
-    p.add_argument("--device", default=None, type=tb.device_option,
-                   help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    tb.add_device_option(p)
     p.add_argument("--checkpoint", default=None,
                    help="save the run after every epoch and resume from this file if it exists (--runs 1)")
     keys = sorted(set(COMMON) | {k for cfg in PRESETS.values() for k in cfg})

@@ -36,8 +36,7 @@ def main():
     p.add_argument("--batch", type=int, default=512, help="images per batch")
     p.add_argument("--batches", type=int, default=8, help="batches per timed repeat (batched version)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats (mean ± std)")
-    p.add_argument("--device", default=None, type=tb.device_option,
-                   help="cpu, cuda, ... (default: cuda if available)")
+    tb.add_device_option(p)
     p.add_argument("--log-dir", default="logs", type=core.folder_option, help="where the JSON result goes")
     a = p.parse_args()
     if min(a.batch, a.batches, a.repeats) < 1:

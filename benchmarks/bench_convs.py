@@ -87,8 +87,7 @@ def main():
     p.add_argument("--batch-size", type=int, default=0, help="default: the preset's")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per kernel (mean ± std)")
     p.add_argument("--image-size", type=int, default=32, help="input side (24: fast94's progressively resized epochs)")
-    p.add_argument("--device", default=None, type=tb.device_option,
-                   help="cpu, cuda, ... (default: cuda if available)")
+    tb.add_device_option(p)
     p.add_argument("--log-dir", default="logs", type=core.folder_option, help="where the JSON result goes")
     a = p.parse_args()
     if a.repeats < 1 or a.batch_size < 0 or not train_cifar.MIN_TRAIN_SIZE <= a.image_size <= train_cifar.IMAGE_SIZE:

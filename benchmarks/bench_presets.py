@@ -165,8 +165,7 @@ def main():
     p.add_argument("--steps", type=int, default=5, help="training steps per timed repeat")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per preset (mean ± std)")
     p.add_argument("--compile", action="store_true", help="time the torch.compile'd step (compiled in the warm-up)")
-    p.add_argument("--device", default=None, type=tb.device_option,
-                   help="cpu, cuda, ... (default: cuda if available)")
+    tb.add_device_option(p)
     p.add_argument("--log-dir", default="logs", type=core.folder_option, help="where the JSON result goes")
     p.add_argument("--flops-only", action="store_true",
                    help="only count each preset's FLOPs (on the meta device, instant) and time nothing")

@@ -120,8 +120,7 @@ def main():
                    help="--tta-confidence values to measure (extra views only below this probability)")
     p.add_argument("--repeats", type=int, default=3, help="timed evaluations per mode (mean ± std)")
     p.add_argument("--view-sets", action="store_true", help="also compare the sets of views in VIEW_SETS")
-    p.add_argument("--device", default=None, type=tb.device_option,
-                   help="cpu, cuda, ... (default: cuda if available)")
+    tb.add_device_option(p)
     p.add_argument("--log-dir", default="logs", type=core.folder_option, help="where the JSON result goes")
     a = p.parse_args()
     if not all(0 < c <= 1 for c in a.confidences) or a.repeats < 1:
