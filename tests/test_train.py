@@ -38,6 +38,8 @@ def tiny_npz(tmp_path, tiny):
     (["--batch-size", "-4"], "batch size must be a positive integer"),
     (["--target", "1.5"], "target must be in (0, 1]"),
     (["--lr-knots", "0", "5", "9"], "same length"),
+    (["--lr-knots", "0", "5", "2", "--lr-values", "0", "1", "0"], "lr-knots must be non-decreasing"),
+    (["--label-smoothing", "1"], "label smoothing must be in [0, 1)"),  # every target uniform: nothing to learn
     (["--precision", "fp16", "--device", "cpu"], "fp16 is for CUDA"),
     (["--batch-size", "500"], "exceeds the 200 training images"),
     (["--train-sizes", "12", "32"], "train-sizes must be whole numbers of pixels in 16..32"),
@@ -448,11 +450,10 @@ def test_flop_counter_matches_the_convolution_formula():
     assert tb.count_flops(lambda: conv(x)) == 2 * 4 * 8 * 3 * 9 * 16 * 16
 
 
-def test_precision_resolution():
-    cpu = torch.device("cpu")
-    assert tb.resolve_precision("fp32", cpu) == "fp32"
-    assert tb.resolve_precision("auto", cpu) == ("bf16" if tb.cpu_has_bf16() else "fp32")
-    with pytest.raises(ValueError):
+def test_a_named_precision_is_kept_and_fp16_refused_on_a_cpu():
+    cpu = torch.device("cpu")  # ("auto" on a CPU: by its flags, below)
+    assert tb.resolve_precision("fp32", cpu) == "fp32" and tb.resolve_precision("bf16", cpu) == "bf16"
+    with pytest.raises(ValueError, match="fp16 is for CUDA GPUs"):
         tb.resolve_precision("fp16", cpu)
 
 
@@ -460,7 +461,11 @@ ZEN3 = {"model name": "AMD EPYC", "cpu family": "25", "model": "1", "flags": "fp
 ZEN4 = dict(ZEN3, model="17", flags="fpu sse2 avx avx2 fma avx512f avx512_bf16")
 
 
-@pytest.mark.parametrize("info, bf16, isa", [(ZEN3, False, "avx2"), (ZEN4, True, "avx512_bf16")])
+AMX_ONLY = dict(ZEN3, flags="fpu sse2 avx avx2 fma amx_tile amx_bf16")  # (bf16 by AMX alone, as a VM may show it)
+
+
+@pytest.mark.parametrize("info, bf16, isa", [(ZEN3, False, "avx2"), (ZEN4, True, "avx512_bf16"),
+                                             (AMX_ONLY, True, "amx_bf16")])
 def test_cpu_precision_and_hardware_string_follow_the_cpu_flags(monkeypatch, info, bf16, isa):
     # Two CPUs both called "AMD EPYC" run this project 4x apart (bf16 or not): logs must tell them apart.
     monkeypatch.setattr(tb, "cpu_info", lambda: info)
@@ -472,6 +477,13 @@ def test_cpu_precision_and_hardware_string_follow_the_cpu_flags(monkeypatch, inf
     assert name.startswith("AMD EPYC (family 25 model " + info["model"] + ", " + isa + ", ")
     monkeypatch.setattr(tb, "loaded_libraries", lambda: "7f02-7f03 r-xp 0 08:01 2 /usr/lib/libjemalloc.so.2\n")
     assert tb.device_name(cpu).endswith(", jemalloc)") and tb.allocator_hint(cpu) is None
+
+
+@pytest.mark.parametrize("bf16_supported, expected", [(True, "bf16"), (False, "fp16")])
+def test_auto_precision_on_a_gpu_is_bf16_where_supported_else_fp16(monkeypatch, bf16_supported, expected):
+    """(V100s and older have no bf16 units: fp16 there, with its loss scaling.)"""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16_supported)
+    assert tb.resolve_precision("auto", torch.device("cuda")) == expected
 
 
 def test_allocator_hint_only_for_cpu_runs_under_glibc(monkeypatch):
@@ -543,6 +555,20 @@ def test_resnet9_tricks_trains_and_an_ema_without_decay_is_the_plain_run():
     assert a["accuracy"] == b["accuracy"] and np.isfinite(a["epochs"][-1]["train_loss"])
     with pytest.raises(ValueError, match="whiten-bias-epochs needs net fastnet"):
         train_cifar.make_config("resnet9-tricks", whiten_bias_epochs=2)
+
+
+def test_muons_sgd_groups_keep_decay_per_step_equal():
+    """fast94's biases step at 64x the LR, so they take 1/64 of the weight decay (as SGD's groups do); the
+    orthogonalised filters and the head take it whole."""
+    cfg = train_cifar.make_config("fast94", widths=(8, 16, 16))
+    model = train_cifar.build_model(cfg, torch.device("cpu"))
+    groups = train_cifar.make_optimizer(cfg, model).param_groups
+    assert len(groups) == 3 and sum(len(g["params"]) for g in groups) == len(
+        [p for p in model.parameters() if p.requires_grad])
+    for g in groups:
+        decay = g["weight_decay"] * (1.0 if g.get("orthogonalize") else g["lr_scale"])
+        assert decay == pytest.approx(cfg["weight_decay"], rel=1e-12), (g["lr_scale"], g["weight_decay"])
+    assert sorted(g["lr_scale"] for g in groups) == [cfg["muon_lr_scale"], 1.0, cfg["bias_lr_scale"]]
 
 
 def test_optimizer_groups_keep_decay_per_step_equal():
@@ -909,6 +935,61 @@ def test_lookahead_pulls_with_airbenchs_decay_schedule(monkeypatch, tiny):
     monkeypatch.setattr(train_cifar.Lookahead, "update", lambda self, d: (decays.append(d), update(self, d))[1])
     train_cifar.train("fast95", data=tiny, epochs=3, **TINY_FAST)
     assert decays == pytest.approx([0.95 ** 5 * (10 / 12) ** 3, 1.0], rel=1e-12)
+
+
+def test_lookahead_starts_after_its_start_epoch(monkeypatch, tiny):
+    """lookahead_start_epoch 1: the average is taken from epoch 2 on. 3 epochs of 4 steps, every 3 steps: it
+    starts at step 6 (not 3, in epoch 1), pulls at 9 and 12, and is copied in whole at the end."""
+    decays = []
+    update = train_cifar.Lookahead.update
+    monkeypatch.setattr(train_cifar.Lookahead, "update", lambda self, d: (decays.append(d), update(self, d))[1])
+    train_cifar.train("fast95", data=tiny, epochs=3, lookahead_start_epoch=1, lookahead_every=3, **TINY_FAST)
+    assert decays == pytest.approx([0.95 ** 3 * (9 / 12) ** 3, 0.95 ** 3, 1.0], rel=1e-12)
+
+
+def test_the_final_evaluation_sees_the_weight_ema(monkeypatch, tiny):
+    """The weights evaluated at the end are the EMA of the weights after every ema_every-th step, computed here
+    in float64 from the weights after each step (8 steps, every 3: pulls after steps 3 and 6)."""
+    after_steps, evaluated = [], []
+    step = train_cifar.train_step
+
+    def recording(cfg, step_fn, opt, *args, **kwargs):
+        if not after_steps:
+            after_steps.append({n: p.detach().double().clone() for n, p in step_fn.named_parameters()})
+        out = step(cfg, step_fn, opt, *args, **kwargs)
+        after_steps.append({n: p.detach().double().clone() for n, p in step_fn.named_parameters()})
+        return out
+    monkeypatch.setattr(train_cifar, "train_step", recording)
+    evaluate = train_cifar.evaluate
+
+    def seen(model, *args, **kwargs):
+        evaluated.append({n: p.detach().double().clone() for n, p in model.named_parameters()})
+        return evaluate(model, *args, **kwargs)
+    monkeypatch.setattr(train_cifar, "evaluate", seen)
+    decay, every = 0.6, 3
+    train_cifar.train("fast94-sgd", data=tiny, epochs=2, ema_every=every, ema_decay=decay, eval_every=0,
+                      lookahead_start_epoch=-1, **TINY_FAST)
+    assert len(after_steps) == 1 + 8 and len(evaluated) == 1
+    avg = dict(after_steps[0])  # from the initial weights
+    for k in (3, 6):
+        avg = {n: a + (1 - decay ** every) * (after_steps[k][n] - a) for n, a in avg.items()}
+    for n, a in avg.items():
+        torch.testing.assert_close(evaluated[0][n], a, rtol=1e-5, atol=1e-6)
+    assert any(not torch.allclose(after_steps[-1][n], a) for n, a in avg.items())  # (not the trained weights)
+
+
+def test_the_whitening_is_fitted_to_the_images_not_their_padding():
+    """The stored training images are padded for the random crops; the whitening is fitted inside the padding:
+    what the padding holds changes nothing."""
+    cfg = train_cifar.make_config("fast94", widths=(8, 16, 16))
+    p = cfg["pad"]
+    images = torch.rand(300, 32, 32, 3, generator=torch.Generator().manual_seed(0))
+    weights = []
+    for fill in (0.0, 5.0):
+        padded = torch.nn.functional.pad(images.permute(0, 3, 1, 2), (p, p, p, p), value=fill).permute(0, 2, 3, 1)
+        model = train_cifar.build_model(cfg, torch.device("cpu"), padded, torch.Generator().manual_seed(1))
+        weights.append(model.whiten.weight.detach().clone())
+    torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=0)
 
 
 def test_only_the_final_evaluation_counts_in_a_runs_time(monkeypatch, tiny):
