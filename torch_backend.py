@@ -1014,7 +1014,9 @@ def predict(model, x, precision, device, batch_size=1000, tta=0, tta_confidence=
     only for the images whose plain prediction is unsure (top softmax probability below tta_confidence); the
     others keep their plain logits. TTA rarely overturns a confident prediction, so this can keep its gain for a
     fraction of its forward passes (benchmarks/eval_tta.py measures both on trained nets). on_batch(k) is
-    called on the host after the k-th batch (a progress line; it reads nothing from the device)."""
+    called on the host after the k-th batch (a progress line; it reads nothing from the device). The model's
+    mode (train or eval) is as it was after."""
+    was_training = model.training
     model.eval()
     outs = []
     for i in range(0, len(x), batch_size):
@@ -1026,7 +1028,7 @@ def predict(model, x, precision, device, batch_size=1000, tta=0, tta_confidence=
                 outs.append(confident_tta(model, xb, tta, tta_confidence))
         if on_batch:
             on_batch(i // batch_size + 1)
-    model.train()
+    model.train(was_training)
     return torch.cat(outs)
 
 

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -18,10 +19,15 @@ def test_batched_augmentation_equals_per_sample_loop(pad, cutout, flip):
 
 
 def test_draws_cover_their_ranges():
+    """Every crop offset 0..2*pad and cutout corner 0..size-cutout occurs, both ends included (no off-by-one)."""
     gen = torch.Generator().manual_seed(0)
     aug = tb.draw_augmentation(20000, 4, 8, True, gen, torch.device("cpu"))
     assert set(aug["dy"].tolist()) == set(range(9)) and set(aug["dx"].tolist()) == set(range(9))
-    assert set(aug["cy"].tolist()) == set(range(25))  # the 8x8 square stays inside the 32x32 image
+    # the 8x8 square stays inside the 32x32 image, and reaches each of its edges
+    assert set(aug["cy"].tolist()) == set(range(25)) and set(aug["cx"].tolist()) == set(range(25))
+    small = tb.draw_augmentation(20000, 2, 6, False, gen, torch.device("cpu"), size=20)
+    assert set(small["dy"].tolist()) == set(small["dx"].tolist()) == set(range(5))
+    assert set(small["cy"].tolist()) == set(small["cx"].tolist()) == set(range(15))
     assert 0.48 < aug["flip"].float().mean() < 0.52
     none = tb.draw_augmentation(100, 0, 0, False, gen, torch.device("cpu"))
     assert not any(v.any() for v in none.values())
@@ -43,3 +49,9 @@ def test_to_device_normalises_and_pads(tiny):
     expected = (x0 / 255 - torch.tensor(tb.CIFAR_MEAN)) / torch.tensor(tb.CIFAR_STD)
     torch.testing.assert_close(d["train_x"][0, 4:36, 4:36], expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(d["train_x"][0, 3, 4:36], expected[1])  # reflect padding mirrors row 1
+    # the test images: NCHW, test_x[n, c, i, j] from pixel (i, j) channel c, against float64 published constants
+    mean, std = np.array([0.4914, 0.4822, 0.4465]), np.array([0.2470, 0.2435, 0.2616])
+    want = np.empty((3, 32, 32))
+    for c in range(3):
+        want[c] = (tiny["test_x"][0][:, :, c].astype(np.float64) / 255 - mean[c]) / std[c]
+    np.testing.assert_allclose(d["test_x"][0].double().numpy(), want, rtol=0, atol=1e-5)

@@ -141,6 +141,15 @@ def test_muon_options_are_checked():
         train_cifar.make_config("fast94", muon_ns_steps=0)
 
 
+@pytest.mark.parametrize("momentum", [1.0, 1.5, -0.1])
+def test_muon_refuses_momentum_outside_0_to_1(momentum):
+    """The optimizer itself, not only the CLI, rejects momentum >= 1 (buffers never decay) or < 0."""
+    w = torch.nn.Parameter(torch.zeros(4, 3))
+    with pytest.raises(ValueError, match=r"momentum in \[0, 1\)"):
+        tb.Muon([w], lr=0.1, momentum=momentum)
+    tb.Muon([w], lr=0.1, momentum=0.0), tb.Muon([w], lr=0.1, momentum=0.99)  # the ends it accepts
+
+
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_compiled_muon_matches_eager_muon_without_recompiling(mode):
     """compiled=True: the same updates as the eager optimizer, each group one graph per set of trainable

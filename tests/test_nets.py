@@ -225,3 +225,57 @@ def test_global_max_pool_takes_each_maps_max_and_routes_its_gradient_there(side)
             expected = torch.zeros_like(flat)
             expected[first] = grad_out[n, c, 0, 0]
             assert torch.equal(x.grad[n, c].flatten(), expected)
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_fastnet_block_convs_start_as_identity_maps(depth):
+    """Each block conv's first c_in filters are dirac kernels (output channel k copies input channel k)."""
+    torch.manual_seed(0)
+    net = tb.FastNet((32, 48, 48), depth=depth)
+    convs = [m for m in net.blocks.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert len(convs) == 3 * depth
+    for conv in convs:
+        c_out, c_in = conv.weight.shape[:2]
+        want = torch.zeros(min(c_out, c_in), c_in, 3, 3)
+        for k in range(min(c_out, c_in)):
+            want[k, k, 1, 1] = 1.0
+        assert torch.equal(conv.weight.detach()[:min(c_out, c_in)], want)
+
+
+@pytest.mark.parametrize("momentum, depth", [(0.4, 2), (0.1, 3)])  # fast94's nets, fast96's
+def test_fastnet_bn_running_means_use_its_momentum_and_logits_are_a_ninth_of_the_head(momentum, depth):
+    """One train-mode step moves each BN running mean by the momentum passed in, (1 - m) old + m batch mean,
+    and the logits are 1/9 of the linear head on the per-channel max of the last maps (float64, by hand)."""
+    torch.manual_seed(0)
+    net = tb.FastNet((8, 16, 16), bn_momentum=momentum, depth=depth).double().train()
+    bns = [m for m in net.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    seen = {}
+    for bn in bns:
+        bn.running_mean.uniform_(-1, 1)
+        bn.register_forward_pre_hook(lambda m, args: seen.__setitem__(m, args[0].detach().clone()))
+    old = [bn.running_mean.clone() for bn in bns]
+    maps = []
+    net.blocks.register_forward_hook(lambda m, args, out: maps.append(out.detach()))
+    logits = net(torch.randn(6, 3, 16, 16, dtype=torch.float64))
+    assert len(seen) == len(bns) == 3 * depth
+    for bn, before in zip(bns, old):
+        torch.testing.assert_close(bn.running_mean, (1 - momentum) * before + momentum * seen[bn].mean((0, 2, 3)))
+    features = maps[0].amax((2, 3))
+    torch.testing.assert_close(logits, features @ net.head.weight.detach().T / 9)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_predict_evaluates_in_eval_mode_and_leaves_the_mode_as_it_was(training):
+    """predict evaluates in eval mode, then leaves a net that was training in train mode (and one in eval mode,
+    as an API user's, in eval mode), on every path of it."""
+    torch.manual_seed(0)
+    model = tb.FastNet((4, 8, 8), whiten_width=6)
+    x = torch.randn(4, 3, 16, 16)
+    for tta, confidence in [(0, 0.0), (1, 0.0), (1, 1.0)]:  # plain, full TTA, selective TTA (confident_tta)
+        model.train(training)
+        modes = []
+        hook = model.register_forward_pre_hook(lambda m, args: modes.append(m.training))
+        tb.predict(model, x, "fp32", torch.device("cpu"), tta=tta, tta_confidence=confidence)
+        hook.remove()
+        assert modes and not any(modes)  # evaluated with BN running statistics
+        assert all(m.training == training for m in model.modules())
