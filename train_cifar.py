@@ -229,9 +229,12 @@ WHOLE_NUMBER_OPTIONS = {"runs", "seed", "batch_size", "pad", "cutout", "tta", "e
                         "allreduce_group_size", "echo_shuffle_buffer", "loader_workers"}
 
 
-def make_config(preset=DEFAULT_PRESET, **overrides):
+def make_config(preset=DEFAULT_PRESET, /, **overrides):
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    if "preset" in overrides:  # (from a --set: a preset is chosen by name, and every option of it with it)
+        raise ValueError("preset is not an option to set: choose the preset itself (--preset, --presets, or the "
+                         "study's --workload)")
     cfg = dict(COMMON, **PRESETS[preset], preset=preset)
     unknown = set(overrides) - set(cfg)
     if unknown:

@@ -114,6 +114,8 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="bench_ddp.py ru
      "fast94: --set compile_mode= has no effect without --compile true"),
     ("bench_ddp.py", [*TINY_STEP, "--warmup", "0", "--set", "trust_coefficient=0.01"],
      "--set trust_coefficient= has no effect without --optimizer lars"),
+    ("bench_presets.py", ["--flops-only", "--presets", "fast94", "--set", "preset=resnet9"],
+     "fast94: preset is not an option to set"),
 ])
 def test_options_train_would_refuse_exit_2_before_anything_is_timed(tmp_path, script, args, message):
     """The checks train() makes before a run (the batch fits the training images, ghost-BN groups divide it, the

@@ -136,6 +136,7 @@ def test_epochs_alone_stretch_the_presets_lr_knots():
     (dict(nesterov="yes"), "nesterov takes True or False"),
     (dict(widths="8"), "widths takes a tuple of numbers"),
     (dict(momentum=True), "momentum takes a number"),
+    (dict(preset="resnet9"), "preset is not an option to set"),  # (was a TypeError: two values for preset)
 ])
 def test_make_config_refuses_values_of_the_wrong_kind(overrides, message):
     """What --set (studies, benchmarks) could not read as a literal stays text: an error here, not a TypeError
