@@ -1229,6 +1229,14 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
             if json_path:  # rewritten after every run so a crash keeps the finished ones
                 core.write_json_atomic(json_path, summarise(cfg, results, hardware, precision, flops_per_step, steps,
                                                             flops_per_run, commit, data_id))
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM under main(): say what is kept, then stop as asked
+        if progress:
+            progress.clear()
+        kept = (f"; {len(results)} finished run(s) are in {json_path}, every epoch's row in {tsv.path}"
+                if json_path and rows_logged else "")
+        resume = f"; the same command resumes from {checkpoint}'s last epoch" if checkpoint else ""
+        log(f"interrupted: run {len(results)} in flight is lost{kept}{resume}")
+        raise
     finally:
         if progress:  # (an interrupted epoch leaves its line)
             progress.clear()
@@ -1556,8 +1564,9 @@ def main(argv=None):
             logged, options, predated = rerun
             for line in describe_rerun(args.from_log, logged, preset, options, overrides, predated) if rank0 else []:
                 print(line)
-        summary = train(preset, data_path=overrides.pop("data", None), device=args.device,
-                        log_dir=args.log_dir or None, checkpoint=args.checkpoint, **overrides)
+        with core.sigterm_as_interrupt():  # kill (SIGTERM) stops a run as Ctrl-C does: the log written, one line
+            summary = train(preset, data_path=overrides.pop("data", None), device=args.device,
+                            log_dir=args.log_dir or None, checkpoint=args.checkpoint, **overrides)
         if torch.distributed.is_initialized():
             # A rank that tears its connections down while another still reads them can make gloo abort that
             # one (SIGABRT): after a run, wait until every rank is done before any closes. After an error the
@@ -1567,6 +1576,8 @@ def main(argv=None):
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     except Diverged as e:
         parser.exit(1, f"{parser.prog}: {e}\n")
+    except KeyboardInterrupt:
+        parser.exit(130, f"{parser.prog}: interrupted\n")  # (exit_with makes it 143 where SIGTERM stopped it)
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -1157,3 +1157,25 @@ def test_an_evaluation_shows_progress_per_batch_of_test_images():
     assert acc == train_cifar.evaluate(model, data, "fp32", dev, 2)
     shown = re.findall(r"run 0 epoch 10 final evaluation: (\d)/3 ", out.getvalue())
     assert shown == ["1", "2", "3"] and out.getvalue().endswith("\r")  # 2,100 images in batches of 1,000; cleared
+
+
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+def test_an_interrupted_run_says_what_it_kept_without_a_traceback(tiny_npz, tmp_path, signum):
+    """Ctrl-C printed a traceback from deep inside torch; kill (SIGTERM) stopped the process where it stood. Both
+    now stop as asked: one line naming the log that holds the finished run, exit 130 or 143."""
+    import signal
+    proc = subprocess.Popen([sys.executable, "-u", os.path.join(ROOT, "train_cifar.py"), "--data", tiny_npz,
+                             "--log-dir", str(tmp_path), "--widths", "8", "8", "8", "--batch-size", "50", "--tta", "0",
+                             "--epochs", "20", "--runs", "2", "--precision", "fp32", "--device", "cpu"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # (as in a terminal)
+    for line in proc.stdout:  # run 1's first row: run 0 has finished
+        if line.split()[:2] == ["1", "1"]:
+            break
+    proc.send_signal(getattr(signal, signum))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == (130 if signum == "SIGINT" else 143), err
+    assert "Traceback" not in err and err.strip() == "train_cifar.py: interrupted"
+    (log,) = tmp_path.glob("*.json")
+    assert f"interrupted: run 1 in flight is lost; 1 finished run(s) are in {log}" in out
+    assert len(json.loads(log.read_text())["runs"]) == 1
