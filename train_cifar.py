@@ -262,6 +262,7 @@ def make_config(preset=DEFAULT_PRESET, /, **overrides):
     return cfg
 
 
+MAX_EPOCHS = 10_000  # far beyond any CIFAR-10 schedule in the literature (a few hundred epochs at most)
 MIN_TRAIN_SIZE = 16  # below this the nets' three or four 2x poolings leave no map to pool
 
 
@@ -314,6 +315,8 @@ def check_config(cfg):
          "select-by loss needs pipeline device")
     need(cfg["ema_every"] >= 0 and 0 <= cfg["ema_decay"] < 1, "need ema-every >= 0 and ema-decay in [0, 1)")
     need(cfg["epochs"] > 0, f"epochs must be positive, got {cfg['epochs']}")
+    # (1e9 epochs planned a list of every step's image size, silently, until memory ran out)
+    need(cfg["epochs"] <= MAX_EPOCHS, f"epochs must be at most {MAX_EPOCHS}, got {cfg['epochs']:g}")
     need(cfg["compile_mode"] in COMPILE_MODES, f"compile-mode must be one of {', '.join(COMPILE_MODES)}")
     need(int(cfg["batch_size"]) == cfg["batch_size"] and cfg["batch_size"] > 0,
          f"batch size must be a positive integer, got {cfg['batch_size']}")

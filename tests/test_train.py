@@ -35,6 +35,7 @@ def tiny_npz(tmp_path, tiny):
 @pytest.mark.parametrize("args, message", [
     (["--preset", "resnet1000"], "invalid choice"),
     (["--epochs", "0"], "epochs must be positive"),
+    (["--epochs", "1e9"], "epochs must be at most 10000, got 1e+09"),  # (planned every step's size, silently)
     (["--batch-size", "-4"], "batch size must be a positive integer"),
     (["--target", "1.5"], "target must be in (0, 1]"),
     (["--lr-knots", "0", "5", "9"], "same length"),
