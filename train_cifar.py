@@ -1297,6 +1297,13 @@ def config_from_log(path):
                   for r in log["runs"])
     if not isinstance(log.get("config") or {}, dict) or not runs_ok:  # (else a traceback after the rerun trained)
         raise ValueError(f"{path}: not a train_cifar.py log (a config, and runs with a seed and epoch rows)")
+    fingerprint = log.get("data_fingerprint")  # (none in logs before 2026-12-05; an edited one compared nothing)
+    if fingerprint is not None and not (
+            isinstance(fingerprint, dict) and set(fingerprint) == {"train_x", "train_y", "test_x", "test_y"}
+            and all(isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) for x in v)
+                    for v in fingerprint.values())):
+        raise ValueError(f"{path}: its data_fingerprint is not one train_cifar.py writes (a size and a checksum "
+                         "for each of train_x, train_y, test_x, test_y)")
     logged = dict(log.get("config") or {})
     preset = logged.pop("preset", log["preset"])
     if preset not in PRESETS or not logged:
@@ -1343,6 +1350,11 @@ def data_differs(logged, now):
     if not isinstance(logged, dict) or not now:
         return []
     return [k for k in now if logged.get(k) != now[k]]
+
+
+def data_note(differing):
+    return (f"this run's data are not the log's ({', '.join(differing)} differ: other images, or the same in "
+            "another order, e.g. from another copy of CIFAR-10): the runs are not expected to match")
 
 
 def describe_reproduction(report, log_path):
@@ -1563,12 +1575,18 @@ def main(argv=None):
     rank0 = int(os.environ.get("RANK", 0)) == 0  # torchrun sets RANK; only rank 0 reports
     try:
         preset, overrides, rerun = run_options(args)
+        data_path, data = overrides.pop("data", None), None
         if rerun:
             logged, options, predated = rerun
             for line in describe_rerun(args.from_log, logged, preset, options, overrides, predated) if rank0 else []:
                 print(line)
+            # the data compared before the rerun trains (a fast96 rerun takes hours), not after
+            data = tb.load_cifar10(data_path or default_data_path())
+            other = data_differs(logged.get("data_fingerprint"), tb.dataset_fingerprint(data)) if rank0 else []
+            if other:
+                print(f"note: {data_note(other)}")
         with core.sigterm_as_interrupt():  # kill (SIGTERM) stops a run as Ctrl-C does: the log written, one line
-            summary = train(preset, data_path=overrides.pop("data", None), device=args.device,
+            summary = train(preset, data=data, data_path=data_path, device=args.device,
                             log_dir=args.log_dir or None, checkpoint=args.checkpoint, **overrides)
         if torch.distributed.is_initialized():
             # A rank that tears its connections down while another still reads them can make gloo abort that
@@ -1593,8 +1611,7 @@ def main(argv=None):
             other = data_differs(logged.get("data_fingerprint"), summary.get("data_fingerprint"))
             if other:  # (logs before 2026-12-05 have no fingerprint: nothing to compare)
                 summary["reproduces"]["data_differs"] = other
-                print(f"  note: this run's data are not the log's ({', '.join(other)} differ: other images, or the "
-                      "same in another order, e.g. from another copy of CIFAR-10): the runs are not expected to match")
+                print(f"  note: {data_note(other)}")
             for line in describe_reproduction(summary["reproduces"]["runs"], args.from_log):
                 print("  " + line)
             if summary.get("log_json"):  # the comparison goes into the new log too

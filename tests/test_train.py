@@ -802,7 +802,17 @@ def test_from_log_reruns_a_logged_run_bit_for_bit_and_says_so(tiny_npz, tmp_path
                                   "--log-dir", "", "--runs", "1"])
     assert elsewhere["reproduces"]["data_differs"] == ["test_x"]
     said = capsys.readouterr().out
-    assert "note: this run's data are not the log's (test_x differ: other images, or the same in" in said
+    note = "note: this run's data are not the log's (test_x differ: other images, or the same in"
+    assert note in said and said.index(note) < said.index("train_loss")  # said before it trains, and again after
+    assert said.count(note) == 2
+
+    # an edited fingerprint compared nothing: refused, as other malformed parts of a log are
+    edited = json.loads(open(first["log_json"]).read())
+    edited["data_fingerprint"] = "abc"
+    (tmp_path / "edited.json").write_text(json.dumps(edited))
+    with pytest.raises(SystemExit) as e:
+        train_cifar.main(["--from-log", str(tmp_path / "edited.json"), "--data", tiny_npz, "--log-dir", ""])
+    assert e.value.code == 2 and "its data_fingerprint is not one train_cifar.py writes" in capsys.readouterr().err
 
 
 def test_from_log_names_what_a_log_predates_and_refuses_what_is_gone(tiny_npz, tmp_path, capsys):
