@@ -57,7 +57,8 @@ def finished(run):
 
 
 def series(paths, allow_mixed=False):
-    """The finished runs of these logs, pooled, with what describes them."""
+    """The finished runs of these logs, pooled, with what describes them. A log given twice counts once."""
+    paths, repeated = core.distinct_logs(paths)
     logs = [load_log(p) for p in paths]
     differ = recipe_differences(logs)
     if differ and not allow_mixed:
@@ -73,7 +74,7 @@ def series(paths, allow_mixed=False):
     if not done:
         raise LogError(f"no finished run in {', '.join(paths)}")
     return dict(paths=list(paths), logs=logs, presets=sorted({str(log.get("preset")) for log in logs}), runs=done,
-                left_out=len(runs) - len(done), differences=differ)
+                left_out=len(runs) - len(done), differences=differ, repeated=repeated)
 
 
 def seed_ranges(seeds):
@@ -149,6 +150,8 @@ def describe(name, s, out=print):
            if len(m["commits"]) > 1 else ""))
     if s["left_out"]:
         out(f"  ({s['left_out']} unfinished, diverged or cut-short run(s) left out)")
+    if s.get("repeated"):
+        out(f"  (counted once: {', '.join(s['repeated'])})")
     for key, values in s["differences"].items():
         out(f"  mixed: {key} = {', '.join(json.dumps(v) for v in values)}")
 

@@ -263,7 +263,61 @@ def read_run_log(path):
         raise LogError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); is the file truncated?") from None
     if not isinstance(log, dict) or not isinstance(log.get("runs"), list) or "preset" not in log:
         raise LogError(f"{path} is not a train_cifar.py log (no preset and runs)")
+    check_run_values(log, path)
     return log
+
+
+def distinct_logs(paths):
+    """(paths, repeated): each file once, in the order first given, and "path (given N times)" for each given more
+    than once (overlapping globs name a file twice; the same real path, or a link to it, is one file): read twice,
+    its runs would count twice, as if repeats of their seeds, and shrink the spread to 0."""
+    first, counts = {}, {}
+    for p in paths:
+        key = os.path.realpath(p)
+        first.setdefault(key, p)
+        counts[key] = counts.get(key, 0) + 1
+    repeated = [f"{first[k]} (given {'twice' if n == 2 else f'{n} times'})" for k, n in counts.items() if n > 1]
+    return list(first.values()), repeated
+
+
+ROW_KEYS = {"epoch", "train_loss", "test_acc", "total_time"}  # what plot_runs.py and --from-log read of a row
+
+
+def check_run_values(log, path):
+    """LogError naming the file and field for a value no run can have (an edited log): accuracies outside [0, 1]
+    (None: no final accuracy) or NaN, negative or non-finite times and FLOPs, seeds that are not integers.
+    Readers would otherwise print them as results ("accuracy 9500.00%", "-5.0 s", "seeds zero")."""
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    def bad(where, value, should):
+        raise LogError(f"{path}: {where} is {json.dumps(value)}, not {should}")
+    flops = log.get("train_flops_per_run")
+    if flops is not None and not (number(flops) and math.isfinite(flops) and flops >= 0):
+        bad("train_flops_per_run", flops, "a finite count >= 0")
+    for i, run in enumerate(log["runs"]):
+        if not isinstance(run, dict) or "seed" not in run:
+            raise LogError(f"{path} is not a train_cifar.py log: run {i} has no seed")
+        if not isinstance(run["seed"], int) or isinstance(run["seed"], bool):
+            bad(f"run {i}'s seed", run["seed"], "a whole number")
+        acc = run.get("accuracy")
+        if acc is not None and not (number(acc) and 0 <= acc <= 1):  # (NaN fails the comparison)
+            bad(f"run {i}'s accuracy", acc, "a fraction in [0, 1] or null")
+        for key in ("total_time_s", "time_to_target_s"):
+            t = run.get(key)
+            if t is not None and not (number(t) and math.isfinite(t) and t >= 0):
+                bad(f"run {i}'s {key}", t, "a finite time >= 0 or null")
+        rows = run.get("epochs") or []
+        if not isinstance(rows, list) or not all(isinstance(r, dict) and ROW_KEYS <= set(r) for r in rows):
+            raise LogError(f"{path} is not a train_cifar.py log: run {i}'s epochs are not rows of "
+                           + ", ".join(sorted(ROW_KEYS)))
+        for row in rows:  # (a diverged run's training loss is NaN or infinite: logged as such)
+            where = f"run {i}'s epoch {row.get('epoch')}"
+            acc, t = row.get("test_acc"), row.get("total_time")
+            if acc is not None and not (number(acc) and (math.isnan(acc) or 0 <= acc <= 1)):
+                bad(f"{where} test_acc", acc, "a fraction in [0, 1], NaN or null (not evaluated)")
+            if t is not None and not (number(t) and math.isfinite(t) and t >= 0):
+                bad(f"{where} total_time", t, "a finite time >= 0")
 
 
 def reproduction_report(runs, logged_runs):

@@ -516,6 +516,9 @@ def crossover_table(sizes_bytes, group_size, intra_latency, intra_bw, inter_late
         table.row({"grad_MB": f"{nbytes / 1e6:g}", "2d_from": crossover, **speedups})
 
 
+MAX_RANKS = 1 << 20  # cost-model's --max-ranks: beyond any machine built, and modelled in seconds
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -540,12 +543,28 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.group_size < 2:  # groups of one make the 2-D all-reduce the flat ring (and divided 0 by 0)
         parser.error("--group-size must be at least 2: in groups of one rank the 2-D all-reduce is the flat ring")
-    if args.nics_per_group < 1 or min([args.grad_mb, args.intra_gbps, args.inter_gbps] + args.sweep_mb) <= 0:
-        parser.error("NICs per group, gradient sizes and bandwidths must be positive")
-    if min(args.intra_latency_us, args.inter_latency_us) < 0 or args.max_ranks < 2 * args.group_size:
-        parser.error("latencies must be >= 0 and --max-ranks at least two groups")
+    # NaN passes every comparison below unnoticed and made an all-NaN table with a conclusion under it
+    sizes = dict(grad_mb=[args.grad_mb], sweep_mb=args.sweep_mb, intra_gbps=[args.intra_gbps],
+                 inter_gbps=[args.inter_gbps])
+    for name, values in sizes.items():
+        if not all(math.isfinite(v) and v > 0 for v in values):
+            parser.error(f"--{name.replace('_', '-')} must be positive and finite, not {' '.join(map(str, values))}")
+    for name in ("intra_latency_us", "inter_latency_us"):
+        if not (math.isfinite(getattr(args, name)) and getattr(args, name) >= 0):
+            parser.error(f"--{name.replace('_', '-')} must be finite and >= 0, not {getattr(args, name)}")
+    if args.nics_per_group < 1:
+        parser.error("--nics-per-group must be at least 1")
+    # the crossover scans every multiple of --group-size up to it: 1e8 ranks ran for hours without a word
+    if not 2 * args.group_size <= args.max_ranks <= MAX_RANKS:
+        parser.error(f"--max-ranks must be at least two groups ({2 * args.group_size}) and at most {MAX_RANKS}")
     links = (args.group_size, args.intra_latency_us * 1e-6, args.intra_gbps * 1e9 / 8, args.inter_latency_us * 1e-6,
              args.inter_gbps * 1e9 / 8, args.nics_per_group)
+    # values each finite can still overflow or underflow the times (--grad-mb 1e305, --inter-gbps 1e-320)
+    for nbytes in [args.grad_mb * 1e6] + [mb * 1e6 for mb in args.sweep_mb]:
+        for model in (flat_allreduce_time, hierarchical_allreduce_time):
+            for n_groups in (1, args.max_ranks // args.group_size):
+                if not 0 < model(n_groups, links[0], nbytes, *links[1:]) < math.inf:
+                    parser.error("these sizes, bandwidths and latencies give times that are 0 or overflow")
     print(f"{args.grad_mb:g} MB gradient, {args.group_size} ranks and {args.nics_per_group} NIC(s) per group:")
     cost_model_table(args.grad_mb * 1e6, *links, max_ranks=args.max_ranks)
     print("\ncrossover by gradient size (2d_from: ranks from which 2-D is faster, up to --max-ranks; 'A-B only': "

@@ -232,10 +232,16 @@ def plot_flops(points, out, published=PUBLISHED_RECORDS):
     for target in (94, 95, 96):
         ax.axhline(target, color="k", ls="--", lw=0.8)
     ax.set_xscale("log")
-    plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
-    ax.xaxis.set_major_formatter(plain)
-    ax.xaxis.set_minor_formatter(plain)
-    ax.set(xlabel="training FLOPs per run (PF, counted)", ylabel="final test accuracy (%), mean ± std over runs",
+    # ticks in PF, TF or GF as core.format_flops prints them (PF alone read "0.000" for small runs); minor ticks
+    # labelled all within a decade, at 2 and 5 within two, else none: more of these longer labels run together
+    def tick(v, _, minor=False):
+        lead = round(v / 10 ** math.floor(math.log10(v))) if v > 0 else 0
+        lo, hi = ax.get_xlim()
+        shown = hi <= 10 * lo or (hi <= 100 * lo and lead in (2, 5))
+        return core.format_flops(v * 1e15) if shown or not minor else ""
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(tick))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(lambda v, pos: tick(v, pos, minor=True)))
+    ax.set(xlabel="training FLOPs per run (counted)", ylabel="final test accuracy (%), mean ± std over runs",
            title="recipes of these logs (filled) and published records (open diamonds)")
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
@@ -295,6 +301,28 @@ def plot(summaries, out, x="epoch", references=(), names=None):
     return len(runs)
 
 
+def image_path(out):
+    """The file savefig writes for --out, or a LogError: matplotlib adds ".png" to a name without an extension
+    (the summary named a file it had not written) and cannot write over a folder."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    def refuse_folder(path):
+        if not os.path.basename(path) or os.path.isdir(path):
+            raise LogError(f"--out {path} is a folder: name the image to write, e.g. {os.path.join(path, 'runs.png')}")
+    refuse_folder(out)
+    if not os.path.splitext(out)[1].strip("."):
+        out = out.rstrip(".") + ".png"  # the name savefig gives it
+        refuse_folder(out)
+    ext = os.path.splitext(out)[1][1:]
+    if ext.lower() not in FigureCanvasBase.get_supported_filetypes():
+        raise LogError(f"--out {out}: matplotlib cannot write .{ext} images; use .png, .pdf, .svg or .jpg")
+    return out
+
+
+def plural(n, word):
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
 def main(argv=None):
     # the first paragraph, whole: its first line alone breaks off mid-sentence
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
@@ -308,9 +336,11 @@ def main(argv=None):
     try:
         if a.reference and a.x != "epoch":
             raise LogError("reference curves are per epoch and from other hardware: plot them with --x epoch")
+        a.out = image_path(a.out)
         os.makedirs(core.writable_folder(os.path.dirname(a.out) or ".", "--out's folder"), exist_ok=True)
-        summaries = [core.read_run_log(path) for path in a.logs]
-        names = [log_name(path, s["preset"]) for path, s in zip(a.logs, summaries)]
+        paths, repeated = core.distinct_logs(a.logs)  # a log given twice would draw, and pool, its runs twice
+        summaries = [core.read_run_log(path) for path in paths]
+        names = [log_name(path, s["preset"]) for path, s in zip(paths, summaries)]
         references = [load_reference(path) for path in a.reference]
         if a.x == "flops":
             points = recipe_points(summaries)
@@ -320,10 +350,12 @@ def main(argv=None):
     except (LogError, ValueError) as e:
         print(f"plot_runs.py: error: {e}", file=sys.stderr)
         return 2
+    once = f"counted once: {', '.join(repeated)}\n" if repeated else ""
     if a.x == "flops":
         for p in points:
-            print(f"{point_label(p)} at {p['pf']:.3f} PF; " + "; ".join(p["hardware"]))
-        print(f"{len(points)} recipes -> {os.path.abspath(a.out)}")
+            print(f"{point_label(p)} at {core.format_flops(p['pf'] * 1e15)}; " + "; ".join(p["hardware"]))
+        print(once, end="")
+        print(f"{plural(len(points), 'recipe')} -> {os.path.abspath(a.out)}")
         return 0
     if references:
         columns, rows = comparison(summaries, references, names)
@@ -331,7 +363,7 @@ def main(argv=None):
         for r in rows:
             cells = {k: "-" if k not in r else "nan" if math.isnan(r[k]) else f"{100 * r[k]:.2f}" for k in columns}
             table.row(dict(cells, epoch=r["epoch"]))
-    print(f"{n} runs -> {os.path.abspath(a.out)}")
+    print(f"{once}{plural(n, 'run')} -> {os.path.abspath(a.out)}")
     return 0
 
 

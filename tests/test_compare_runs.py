@@ -208,3 +208,50 @@ def test_precision_asked_for_is_not_the_recipe_the_resolved_one_is(real_log, tmp
     (tmp_path / "bf16.json").write_text(json.dumps(bf16))
     with pytest.raises(compare_runs.LogError, match="resolved_precision"):
         compare_runs.series([auto, str(tmp_path / "bf16.json")])
+
+
+def test_a_log_given_twice_counts_once(real_log, tmp_path, capsys):
+    """`compare_runs.py X.json X.json` (overlapping globs) counted each run twice: "n=2 (seeds 0; 0 run twice)", a
+    spread of 0.00. One file, however spelt, is read once and said so; another file with the same seeds is a
+    repeat of those seeds and still counts."""
+    path = write_log(tmp_path, real_log, "a", [(0, 0.9401), (1, 0.9388)])
+    spelt_otherwise = str(tmp_path / "." / "a.json")
+    assert compare_runs.main([path, path, spelt_otherwise]) == 0
+    out = capsys.readouterr().out
+    assert "1 log, n=2 (seeds 0-1)" in out and "run twice" not in out
+    assert f"accuracy {statistics.mean([94.01, 93.88]):.2f} ± {statistics.stdev([94.01, 93.88]):.2f}%" in out
+    assert f"(counted once: {path} (given 3 times))" in out
+    again = tmp_path / "b.json"
+    again.write_text(open(path).read())
+    assert compare_runs.main([path, str(again), path]) == 0
+    out = capsys.readouterr().out
+    assert "2 logs, n=4 (seeds 0-1; 0-1 run twice)" in out and f"(counted once: {path} (given twice))" in out
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("accuracy", 95, "run 1's accuracy is 95, not a fraction in [0, 1]"),
+    ("accuracy", math.nan, "run 1's accuracy is NaN"),
+    ("accuracy", -0.01, "run 1's accuracy is -0.01"),
+    ("accuracy", "0.94", "run 1's accuracy is \"0.94\""),
+    ("total_time_s", -5, "run 1's total_time_s is -5, not a finite time >= 0"),
+    ("total_time_s", math.inf, "run 1's total_time_s is Infinity"),
+    ("seed", "zero", "run 1's seed is \"zero\", not a whole number"),
+    ("seed", 1.5, "run 1's seed is 1.5"),
+    ("seed", True, "run 1's seed is true"),
+    ("train_flops_per_run", -1.0, "train_flops_per_run is -1.0"),
+])
+def test_impossible_values_in_a_log_exit_2_naming_the_file_and_field(real_log, tmp_path, capsys, field, value,
+                                                                      message):
+    """An edited log printed "accuracy 9500.00%", "nan%", "-5.0 s" or "seeds zero" with exit code 0."""
+    path = write_log(tmp_path, real_log, "edited", [(0, 0.94), (1, 0.95)])
+    log = json.loads(open(path).read())
+    (log if field == "train_flops_per_run" else log["runs"][1])[field] = value
+    open(path, "w").write(json.dumps(log))
+    assert compare_runs.main([path]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {path}: {message}" in err and err.count("\n") == 1
+    log["runs"][1].update(accuracy=None, total_time_s=None)  # a run without them (unfinished) is no error
+    log["train_flops_per_run"] = None
+    log["runs"][1]["seed"] = 1
+    open(path, "w").write(json.dumps(log))
+    assert compare_runs.main([path]) == 0 and "n=1 (seeds 0)" in capsys.readouterr().out

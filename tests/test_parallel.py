@@ -606,3 +606,25 @@ def test_cost_model_refuses_groups_of_one():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "error: --group-size must be at least 2" in out.stderr and out.stdout == ""
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--grad-mb", "nan"], "--grad-mb must be positive and finite"),
+    (["--grad-mb", "inf"], "--grad-mb must be positive and finite"),
+    (["--sweep-mb", "1", "nan"], "--sweep-mb must be positive and finite"),
+    (["--inter-gbps", "nan"], "--inter-gbps must be positive and finite"),
+    (["--intra-gbps", "inf"], "--intra-gbps must be positive and finite"),
+    (["--intra-latency-us", "nan"], "--intra-latency-us must be finite and >= 0"),
+    (["--inter-latency-us", "inf"], "--inter-latency-us must be finite and >= 0"),
+    (["--grad-mb", "1e305"], "these sizes, bandwidths and latencies give times that are 0 or overflow"),
+    (["--max-ranks", "100000000"], f"--max-ranks must be at least two groups (16) and at most {1 << 20}"),
+])
+def test_cost_model_refuses_values_that_are_not_finite_or_too_large(capsys, args, message):
+    """NaN and infinity made an all-NaN table with a conclusion under it ("2-D wins from 8 ranks"), exit code 0;
+    --max-ranks 100000000 ran for hours without a word. Each is a usage error before anything is printed."""
+    started = time.perf_counter()
+    with pytest.raises(SystemExit) as e:
+        parallel.main(["cost-model"] + args)
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == "" and f"error: {message}" in err and time.perf_counter() - started < 5
+    assert [line for line in err.splitlines() if "error" in line] == [err.splitlines()[-1]]

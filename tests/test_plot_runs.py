@@ -166,8 +166,8 @@ def test_flops_plot_writes_a_png_and_prints_each_recipe(logged, tmp_path, capsys
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = core.read_run_log(logged[0])
     mean, std = core.mean_std([100 * r["accuracy"] for r in summary["runs"]])
-    pf = summary["train_flops_per_run"] / 1e15
-    assert f"resnet9: {mean:.2f} ± {std:.2f}% (n=2) at {pf:.3f} PF" in capsys.readouterr().out
+    flops = core.format_flops(summary["train_flops_per_run"])
+    assert f"resnet9: {mean:.2f} ± {std:.2f}% (n=2) at {flops}; " in capsys.readouterr().out
     unfinished = json.loads(json.dumps(summary))
     for run in unfinished["runs"]:
         run.update(accuracy=None, diverged=True)
@@ -198,13 +198,16 @@ def legend_labels(fig):
 
 
 def test_runs_of_different_logs_alike_are_told_apart(logged, tmp_path, capsys, monkeypatch):
-    """The same seeds in another log (a rerun on other hardware) and one log given twice: every run keeps a
-    column of its own in the table and an entry of its own in the legend; none overwrites another."""
+    """The same seeds in another log (a rerun on other hardware) and in a copy of a log under its name in another
+    folder: every run keeps a column of its own in the table and an entry of its own in the legend; none
+    overwrites another."""
     summary = core.read_run_log(logged[0])
     rerun = copy_log(summary, tmp_path / "resnet9-20990101-000000-1.json", hardware="another machine")
+    (tmp_path / "copy").mkdir()
+    copied = copy_log(summary, tmp_path / "copy" / os.path.basename(logged[0]))
     ref = write_reference(tmp_path / "published.tsv", [(1, 0.5)])
     out = str(tmp_path / "runs.png")
-    fig = drawn_figure(monkeypatch, lambda: plot_runs.main([logged[0], rerun, logged[0], "--reference", ref,
+    fig = drawn_figure(monkeypatch, lambda: plot_runs.main([logged[0], rerun, copied, "--reference", ref,
                                                             "--out", out]))
     lines = capsys.readouterr().out.splitlines()
     header = lines[0].split()
@@ -308,3 +311,73 @@ def test_distinguishing_keys_are_few_and_tell_every_two_recipes_apart():
     assert len(keys) <= 3 and "preset" not in keys
     for a, b in itertools.combinations(recipes, 2):
         assert any(k in a and k in b and a[k] != b[k] for k in keys), (a, b)
+
+
+def test_a_log_given_twice_is_drawn_and_pooled_once(logged, tmp_path, capsys):
+    """Overlapping globs name a log twice: its runs were drawn twice and pooled twice into its recipe's point
+    (n=4 from 2 runs). One file, however spelt, is read once, and the summary says so."""
+    summary = core.read_run_log(logged[0])
+    spelt_otherwise = os.path.join(os.path.dirname(logged[0]), ".", os.path.basename(logged[0]))
+    out = tmp_path / "runs.png"
+    assert plot_runs.main([logged[0], spelt_otherwise, "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"counted once: {logged[0]} (given twice)", f"2 runs -> {out}"]
+    assert plot_runs.main([logged[0], logged[0], "--x", "flops", "--out", str(out)]) == 0
+    mean, std = core.mean_std([100 * r["accuracy"] for r in summary["runs"]])
+    assert f"resnet9: {mean:.2f} ± {std:.2f}% (n=2) at " in capsys.readouterr().out
+
+
+def test_out_is_the_file_written(logged, tmp_path, capsys):
+    """--out a folder, or a name without an extension, printed "1 runs -> NAME" where matplotlib had written
+    NAME.png (or failed): a folder is refused, a bare name gets the .png matplotlib gives it, and the summary
+    names the file that exists."""
+    summary = core.read_run_log(logged[0])
+    single = copy_log(summary, tmp_path / "single.json", runs=summary["runs"][:1])
+    (tmp_path / "folder").mkdir()
+    for out in (tmp_path / "folder", str(tmp_path / "folder") + os.sep):
+        assert plot_runs.main([single, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert "is a folder" in err and err.count("\n") == 1
+    assert os.listdir(tmp_path / "folder") == []
+    for given, written in (("bare", "bare.png"), ("dotted.", "dotted.png"), ("plot.svg", "plot.svg")):
+        assert plot_runs.main([single, "--out", str(tmp_path / given)]) == 0
+        assert capsys.readouterr().out == f"1 run -> {tmp_path / written}\n" and (tmp_path / written).is_file()
+    assert not (tmp_path / "bare").exists()
+    assert plot_runs.main([single, "--out", str(tmp_path / "plot.txt")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write .txt images" in err and err.count("\n") == 1 and not (tmp_path / "plot.txt").exists()
+    assert plot_runs.main([single, "--x", "flops", "--out", str(tmp_path / "f.png")]) == 0
+    assert capsys.readouterr().out.endswith(f"1 recipe -> {tmp_path / 'f.png'}\n")
+
+
+def test_small_runs_show_their_flops_in_gf(logged, tmp_path, capsys, monkeypatch):
+    """73.4 GF a run was printed, and its axis ticked, as "0.000 PF"."""
+    summary = core.read_run_log(logged[0])
+    small = copy_log(summary, tmp_path / "small.json", train_flops_per_run=73.4e9)
+    fig = drawn_figure(monkeypatch, lambda: plot_runs.main([small, "--x", "flops", "--out", str(tmp_path / "f.png")]))
+    out = capsys.readouterr().out
+    assert "(n=2) at 73.4 GF; " in out and "PF" not in out
+    ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert "100 GF" in ticks and "1.00 TF" in ticks and "1.000 PF" in ticks and "0.000 PF" not in ticks
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("accuracy", 95, "run 0's accuracy is 95, not a fraction in [0, 1]"),
+    ("accuracy", math.nan, "run 0's accuracy is NaN"),
+    ("seed", "zero", "run 0's seed is \"zero\", not a whole number"),
+    ("total_time_s", -5, "run 0's total_time_s is -5"),
+])
+def test_impossible_values_in_a_log_exit_2_naming_the_file_and_field(logged, tmp_path, capsys, field, value,
+                                                                      message):
+    summary = core.read_run_log(logged[0])
+    edited = json.loads(json.dumps(summary))
+    edited["runs"][0][field] = value
+    path = copy_log(edited, tmp_path / "edited.json")
+    for x in ("epoch", "flops"):
+        assert plot_runs.main([path, "--x", x, "--out", str(tmp_path / "x.png")]) == 2
+        err = capsys.readouterr().err
+        assert f"error: {path}: {message}" in err and err.count("\n") == 1 and not (tmp_path / "x.png").exists()
+    edited["runs"][0] = dict(summary["runs"][0], epochs=[dict(summary["runs"][0]["epochs"][-1], test_acc=2.0)])
+    path = copy_log(edited, tmp_path / "edited.json")
+    assert plot_runs.main([path, "--out", str(tmp_path / "x.png")]) == 2
+    assert "run 0's epoch 3 test_acc is 2.0, not a fraction in [0, 1]" in capsys.readouterr().err
