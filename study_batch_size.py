@@ -56,10 +56,10 @@ WORKLOADS = {
     # Calibration (logs/batch-size-cpu-calibration/; 1 thread of a 2-core AMD EPYC, bf16, torch 2.13.0,
     # Nesterov 0.9, 10% warm-up then linear decay to 5%): at batch 256 over 3 epochs, lr 0.1 / 0.3 / 1.0 reached
     # 65% on the holdout at step 352 / 320 / 512 (final 72.5 / 77.9 / 74.3%), about 65 s a trial; at batch 2048
-    # over 8 epochs, lr 0.4 / 1.2 / 4.0 reached it at step 100 / 140 / never (24%). With fast94-sgd's 64x LR on BN biases the curves were
-    # noisy (lr 1.0: 37% -> 16% -> 36% in the first 100 steps); with the biases at the plain LR, lr 0.3 reached
-    # 65% at step 224 instead of 320 and smoothly. So the study trains every parameter at the LR under study
-    # (bias_lr_scale 1): the optimizer compared is then the only one.
+    # over 8 epochs, lr 0.4 / 1.2 / 4.0 reached it at step 100 / 140 / never (24%). With fast94-sgd's 64x LR on
+    # BN biases the curves were noisy (lr 1.0: 37% -> 16% -> 36% in the first 100 steps); with the biases at the
+    # plain LR, lr 0.3 reached 65% at step 224 instead of 320 and smoothly. So the study trains every parameter at
+    # the LR under study (bias_lr_scale 1): the optimizer compared is then the only one.
     "cpu": dict(preset="fast94-sgd", about="fast94-sgd net at widths 16/32/32, 65% on a 5000-image holdout",
                 eval="holdout", holdout=5000, target=0.65, epochs=4.0, min_steps=200, evals_per_trial=20,
                 batch_sizes=(16, 32, 64, 128, 256, 512, 1024, 2048),
@@ -288,32 +288,97 @@ def trial_key(rec):
     return rec["workload"], rec["optimizer"], int(rec["batch_size"]), int(rec["trial"])
 
 
+def _number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _count(least):
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+_STRING = (lambda v: isinstance(v, str), "a string")
+# Fields of a trial record that resume, the summary and the plots read: key -> (test, what it must be, required).
+# A record missing one failed deep inside them (KeyError, AttributeError), long after the file was read.
+TRIAL_FIELDS = {
+    "workload": _STRING + (True,), "optimizer": _STRING + (True,),
+    "batch_size": (_count(1), "a whole number >= 1", True), "trial": (_count(0), "a whole number >= 0", True),
+    "settings": (lambda v: isinstance(v, dict), "an object", True),
+    "reached": (lambda v: isinstance(v, bool), "true or false", True),
+    "diverged": (lambda v: isinstance(v, bool), "true or false", True),
+    "budget_steps": (_count(1), "a whole number >= 1", True),
+    "eval_every_steps": (_count(1), "a whole number >= 1", True),
+    "steps_to_target": (lambda v: v is None or _count(1)(v), "null or a whole number >= 1", False),
+    "best_acc": (lambda v: v is None or _number(v), "null or a number", False),
+    "params": (lambda v: isinstance(v, dict), "an object", True),
+    "lr_window": (lambda v: isinstance(v, list) and len(v) == 2 and all(_number(x) and x > 0 for x in v),
+                  "two positive numbers", True),
+}
+SETTINGS_FIELDS = {"workload": _STRING + (True,), "optimizer": _STRING + (True,), "eval": _STRING + (True,),
+                   "target": (_number, "a number", True)}
+PARAMS_FIELDS = {k: (lambda v: _number(v) and v >= 0, "a number >= 0", True)
+                 for k in ("lr_eff", "lr", "momentum", "warmup_frac", "decay_to")}
+PARAMS_FIELDS.update(lr_eff=(lambda v: _number(v) and v > 0, "a number > 0", True),
+                     trust=(lambda v: v is None or _number(v), "null or a number", False))
+
+
+def _field_problem(d, fields, where=""):
+    for key, (ok, what, required) in fields.items():
+        if key not in d:
+            if required:
+                return f'no "{where}{key}"'
+        elif not ok(d[key]):
+            return f'"{where}{key}" is {json.dumps(d[key])[:40]}, not {what}'
+    return None
+
+
+def record_problem(rec):
+    """Why a parsed line is not a trial record of this study, or None."""
+    if not isinstance(rec, dict):
+        return f"{json.dumps(rec)[:40]} is not a JSON object"
+    problem = (_field_problem(rec, TRIAL_FIELDS) or _field_problem(rec["settings"], SETTINGS_FIELDS, "settings.")
+               or _field_problem(rec["params"], PARAMS_FIELDS, "params."))
+    if not problem and rec["reached"] and rec.get("steps_to_target") is None:
+        problem = 'a trial that reached the target with no "steps_to_target"'
+    return problem
+
+
 def read_trials(path, repair=False, warn=lambda m: print(m, file=sys.stderr)):
     """Records of trials.jsonl. A last line cut short by a crash is ignored (and cut off the file with
-    repair=True, so the next append starts a clean line); other malformed lines are skipped with a warning."""
+    repair=True, so the next append starts a clean line); other lines that do not parse are skipped with a
+    warning. A line that parses but is no trial record (edited, or another file) is a StudyError naming it."""
     if not os.path.exists(path):
         return []
     with open(path, "rb") as f:
         raw = f.read()
     records, lines = [], raw.split(b"\n")
     tail = lines.pop()  # b"" when the file ends with a newline
+
+    def checked(rec, n):
+        problem = record_problem(rec)
+        if problem:
+            raise StudyError(f"{path}:{n} is not a trial record of this study ({problem}); fix or remove that line")
+        return rec
     for n, line in enumerate(lines, 1):
         if line.strip():
             try:
-                records.append(json.loads(line))
+                rec = json.loads(line)
             except ValueError:
                 warn(f"warning: {path}:{n} is not a complete record; ignored")
+                continue
+            records.append(checked(rec, n))
     if tail.strip():
         try:
-            records.append(json.loads(tail))
-            if repair:  # complete but unterminated: terminate it
-                with open(path, "ab") as f:
-                    f.write(b"\n")
+            rec = json.loads(tail)
         except ValueError:
             warn(f"warning: {path}: last line is torn (interrupted write); ignored")
             if repair:
                 with open(path, "r+b") as f:
                     f.truncate(len(raw) - len(tail))
+            return records
+        records.append(checked(rec, len(lines) + 1))
+        if repair:  # complete but unterminated: terminate it
+            with open(path, "ab") as f:
+                f.write(b"\n")
     return records
 
 
@@ -549,7 +614,8 @@ def write_summary(out, settings, records, status):
 
 
 def report(rows, regimes, trend, log=print):
-    log(f"{'batch':>6} {'reached':>8} {'best steps':>10} {'x ideal':>8} {'lr_eff':>8} {'lr':>8} {'momentum':>8}  regime")
+    log(f"{'batch':>6} {'reached':>8} {'best steps':>10} {'x ideal':>8} {'lr_eff':>8} {'lr':>8} {'momentum':>8}  "
+        "regime")
     for r in rows:
         edge = " (LR at window edge)" if r.get("lr_at_edge") else ""
         steps = f"{r['best_steps']}" if r["best_steps"] is not None else f">{r['budget_steps']}"
@@ -651,7 +717,8 @@ def plot(curves, out_dir):
             anchor = (math.exp(np.mean(np.log([r["batch_size"] for r in ok]))),
                       math.exp(np.mean(np.log([r["best_lr_eff"] for r in ok]))))
     if anchor is not None:
-        for k, style, name in ((1.0, "k--", "linear scaling (slope 1)"), (0.5, "k:", "square-root scaling (slope 0.5)")):
+        for k, style, name in ((1.0, "k--", "linear scaling (slope 1)"),
+                               (0.5, "k:", "square-root scaling (slope 0.5)")):
             ax.plot(all_b, [anchor[1] * (b / anchor[0]) ** k for b in all_b], style, lw=1, label=name)
     ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="best effective LR  lr / (1 - momentum)",
            title="best learning rate vs batch size")
@@ -773,7 +840,8 @@ def study_header(args):
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),
-                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+                                epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run (or resume) a study")
     r.add_argument("--workload", default="cpu", choices=list(WORKLOADS),
@@ -797,7 +865,8 @@ def parse_args(argv):
     r.add_argument("--seed", type=int, default=0, help="seeds the Halton scrambling; trial t trains with seed+t")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any other train_cifar option, e.g. --set precision=fp32 --set 'widths=(8,16,16)'")
-    r.add_argument("--train-subset", type=int, default=0, metavar="N", help="train on a fixed random N images (smoke tests)")
+    r.add_argument("--train-subset", type=int, default=0, metavar="N",
+                   help="train on a fixed random N images (smoke tests)")
     r.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     r.add_argument("--out", default=None, help="output folder (default logs/batch-size-<workload>-<optimizer>)")
     r.add_argument("--shard", default=None, metavar="K/N",
@@ -815,7 +884,12 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.command == "run":
         w = WORKLOADS[args.workload]
-        args.batch_sizes = sorted(set(args.batch_sizes or w["batch_sizes"]))
+        given = args.batch_sizes or list(w["batch_sizes"])
+        args.batch_sizes = sorted(set(given))
+        if len(args.batch_sizes) < len(given):  # (the data-echo study's --factors and --modes alike)
+            twice = sorted(b for b in args.batch_sizes if given.count(b) > 1)
+            print(f"note: --batch-sizes {' '.join(map(str, twice))} given more than once; each is studied once",
+                  file=sys.stderr)
         if min(args.batch_sizes) < 1 or args.trials < 1:
             p.error("batch sizes and --trials must be positive")
         if any(not 0 <= t < args.trials for t in args.trial_order):
@@ -910,7 +984,10 @@ def cmd_run(parser, args):
             tb.resolve_precision(train_cifar.make_config(w["preset"], **spec["train"])["precision"], device)
     except ValueError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
-    others = [r for p in trial_files(args.out) if p != path for r in read_trials(p)]
+    try:
+        others = [r for p in trial_files(args.out) if p != path for r in read_trials(p)]
+    except StudyError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     print(f"{study_header(args)}, on {tb.device_name(device)}", flush=True)
     log = print if args.verbose else (lambda *a: None)
     status = "complete"
@@ -924,7 +1001,10 @@ def cmd_run(parser, args):
         status = "interrupted"
         print("\ninterrupted: the trial in flight is lost, finished trials are kept; run the same command to resume",
               flush=True)
-    records = [r for r in read_folder(args.out) if r.get("settings") == settings]
+    try:  # (a file of another shard may have changed while this one ran)
+        records = [r for r in read_folder(args.out) if r.get("settings") == settings]
+    except StudyError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     if records:
         rows, regimes, trend = write_summary(args.out, settings, records, status)
         report(rows, regimes, trend)

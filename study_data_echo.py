@@ -8,7 +8,8 @@ and echo factor, over several seeds.
 
 Every run is train_cifar.train(..., stop_at_target=True). Factor 1 is the no-echo baseline (mode "none"), run
 once per seed. Each finished run is appended to OUT/results.jsonl at once, so an interrupted study loses at most
-the run in flight; run the same command again to resume (finished runs are skipped). OUT/summary.{tsv,json}
+the run in flight (a line torn by a crash is cut off); run the same command again to resume (finished runs are
+skipped). OUT/summary.{tsv,json}
 hold mean, std and n per mode x factor and the speed-ups over the baseline; OUT/echo_study.png plots fresh
 examples to target against the echo factor, with the lines "echoed data worth as much as fresh" (baseline / e)
 and "echoed data worth nothing" (baseline).
@@ -139,19 +140,69 @@ def run_key(rec):
     return (rec["workload"], rec["pipeline"], rec["mode"], float(rec["factor"]), int(rec["seed"]))
 
 
-def read_results(path):
-    """Finished runs from the JSONL file; a line cut short by a crash is skipped with a warning."""
-    records = []
+class ResultsError(ValueError):
+    pass
+
+
+def _number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+_STRING = (lambda v: isinstance(v, str), "a string")
+# Fields of a run record that resume and the summary read: key -> (test, what it must be). A record missing one
+# failed deep inside them (KeyError; "abc" as fresh_to_target a ValueError in core.mean_std).
+RUN_FIELDS = {"workload": _STRING, "pipeline": _STRING, "mode": _STRING,
+              "factor": (lambda v: _number(v) and v >= 1, "a number >= 1"),
+              "seed": (lambda v: isinstance(v, int) and not isinstance(v, bool), "a whole number"),
+              "reached": (lambda v: isinstance(v, bool), "true or false")}
+REACHED_FIELDS = {k: (lambda v: _number(v) and v >= 0, "a number >= 0")  # what a run that reached it measured
+                  for k in ("fresh_to_target", "steps_to_target", "time_to_target_s")}
+
+
+def record_problem(rec):
+    """Why a parsed line is not a run record of this study, or None. (study_batch_size.py has its own: the
+    studies share no module but core.py, which this change leaves alone.)"""
+    if not isinstance(rec, dict):
+        return f"{json.dumps(rec)[:40]} is not a JSON object"
+    for key, (ok, what) in list(RUN_FIELDS.items()) + list(REACHED_FIELDS.items() if rec.get("reached") else []):
+        if key not in rec:
+            return f'no "{key}"'
+        if not ok(rec[key]):
+            return f'"{key}" is {json.dumps(rec[key])[:40]}, not {what}'
+    return None
+
+
+def read_results(path, repair=False, warn=lambda m: print(m, file=sys.stderr)):
+    """Finished runs from the JSONL file. A line that does not parse (cut short by a crash) is skipped with a
+    warning; with repair=True a torn last line is also cut off the file and an unterminated complete one
+    terminated, so the next append starts a line of its own (appended onto, both were lost for good). A line
+    that parses but is no run record (edited, or another file) is a ResultsError naming it."""
     if not os.path.exists(path):
-        return records
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                print(f"warning: {path}:{n} is not a complete record (interrupted write?); ignored", file=sys.stderr)
+        return []
+    with open(path, "rb") as f:
+        raw = f.read()
+    records, lines = [], raw.split(b"\n")
+    tail = lines.pop()  # b"" when the file ends with a newline
+    for n, line in enumerate(lines + [tail], 1):
+        if not line.strip():
+            continue
+        last = n > len(lines)
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            warn(f"warning: {path}:{n} is not a complete record (interrupted write?); "
+                 + ("cut off" if last and repair else "ignored"))
+            if last and repair:
+                with open(path, "r+b") as f:
+                    f.truncate(len(raw) - len(tail))
+            continue
+        problem = record_problem(rec)
+        if problem:
+            raise ResultsError(f"{path}:{n} is not a run record of this study ({problem}); fix or remove that line")
+        records.append(rec)
+        if last and repair:
+            with open(path, "ab") as f:
+                f.write(b"\n")
     return records
 
 
@@ -280,13 +331,17 @@ def write_summary(out, rows, meta):
 def print_summary(rows, r_info, log=print):
     log(f"{'mode':>18} {'e':>4} {'n':>5} {'fresh to target':>21} {'time to target (s)':>19} "
         f"{'fresh x':>8} {'time x':>7} {'min(e,R)':>8} {'ideal x':>8}")
+    def show(v, spec):  # "-" where nothing was measured (no run reached the target, no R), as study_batch_size.py
+        return "-" if math.isnan(v) else format(v, spec)
     for row in rows:
-        one = row["n_reached"] == 1  # one run has no spread ("± 0" would read as measured)
+        # one run has no spread ("± 0" would read as measured); none has no mean either ("nan ± nan")
+        one = row["n_reached"] <= 1
         fresh_std, time_std = ("", "") if one else (f"± {row['fresh_std']:<6.0f}", f"± {row['time_std_s']:<6.1f}")
         log(f"{row['mode']:>18} {row['factor']:>4g} {row['n_reached']:>2}/{row['n']:<2} "
-            f"{row['fresh_mean']:>12.0f} {fresh_std:<8}"
-            f"{row['time_mean_s']:>10.1f} {time_std:<8}{row['fresh_speedup']:>8.2f} "
-            f"{row['time_speedup']:>7.2f} {row['min_e_R']:>8.2f} {row['ideal_time_speedup']:>8.2f}")
+            f"{show(row['fresh_mean'], '.0f'):>12} {fresh_std:<8}"
+            f"{show(row['time_mean_s'], '.1f'):>10} {time_std:<8}{show(row['fresh_speedup'], '.2f'):>8} "
+            f"{show(row['time_speedup'], '.2f'):>7} {show(row['min_e_R'], '.2f'):>8} "
+            f"{show(row['ideal_time_speedup'], '.2f'):>8}")
     if r_info:
         log(f"R = {r_info['R']:.3f}: " + ("the pipeline is the bottleneck, echoing can save wall-clock time"
                                           if r_info["R"] > 1 else
@@ -375,6 +430,15 @@ def parse_args(argv):
     p.add_argument("--remeasure-r", action="store_true", help="measure R again although OUT/r.json has it")
     p.add_argument("--verbose", action="store_true", help="print every run's per-epoch table")
     args = p.parse_args(argv)
+    # A value given twice was trained (and counted) once per mention: dropped, saying so, as study_batch_size.py
+    # does with --batch-sizes.
+    for name in ("modes", "factors"):
+        given = getattr(args, name)
+        setattr(args, name, list(dict.fromkeys(given)))
+        twice = [v for v in getattr(args, name) if given.count(v) > 1]
+        if twice:
+            print(f"note: --{name} {' '.join(f'{v:g}' if name == 'factors' else v for v in twice)} given more than "
+                  "once; each is studied once", file=sys.stderr)
     if any(f < 1 for f in args.factors) or args.seeds < 1:
         p.error("factors must be >= 1 and --seeds >= 1")
     if args.no_r and args.remeasure_r:  # (--no-r won: R was silently not measured)
@@ -421,7 +485,13 @@ def main(argv=None):
     except ValueError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     results_path = os.path.join(args.out, "results.jsonl")
-    records = read_results(results_path)
+
+    def load_results(repair=False):
+        try:
+            return read_results(results_path, repair=repair)
+        except ResultsError as e:
+            parser.exit(2, f"{parser.prog}: error: {e}\n")
+    records = load_results(repair=True)
 
     def refuse_other_settings(settings, but=()):
         """Exit if a stored run's settings differ from `settings` (keys in `but` not compared)."""
@@ -470,8 +540,17 @@ def main(argv=None):
     summary_path, r_path = os.path.join(args.out, "summary.json"), os.path.join(args.out, "r.json")
     r_info = None
     if os.path.exists(r_path) and not args.remeasure_r:  # one R per study, so a resumed study keeps its own
-        with open(r_path) as f:
-            r_info = json.load(f)
+        try:
+            with open(r_path, "rb") as f:
+                r_info = json.load(f)
+            problem = (f"{json.dumps(r_info)[:40]} is not a JSON object" if not isinstance(r_info, dict) else
+                       None if _number(r_info.get("R")) and r_info["R"] >= 0 else
+                       f'"R" is {json.dumps(r_info.get("R"))[:40]}, not a number >= 0')
+        except ValueError as e:  # (a UnicodeDecodeError too)
+            problem = f"not JSON: {e}"
+        if problem:  # written atomically, so not a crash: an edit, or another file
+            parser.exit(2, f"{parser.prog}: error: {r_path} is not an R measurement of this study ({problem}); "
+                           "remove it or pass --remeasure-r\n")
         if r_info.get("data") != fingerprint:  # (R depends on the data's size: not another data set's R)
             print(f"{r_path} holds R of other data (or of unrecorded data); "
                   + ("not used (--no-r)" if args.no_r else "measuring it again"), flush=True)
@@ -492,7 +571,7 @@ def main(argv=None):
         core.write_json_atomic(r_path, r_info)
 
     def finish(status):
-        records_now = [r for r in read_results(results_path) if r.get("settings") == args.settings]
+        records_now = [r for r in load_results() if r.get("settings") == args.settings]
         rows = summarise(records_now, r_info, overlapped(cfg))
         meta = dict(workload=args.workload, about=about, pipeline=args.pipeline, settings=args.settings,
                     config={k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()}, r=r_info,

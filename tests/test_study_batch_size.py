@@ -489,7 +489,8 @@ def test_shards_split_the_plan_and_share_one_folder(tmp_path, capsys):
 
 
 def test_a_trial_found_in_two_files_counts_once(tmp_path):
-    rec = dict(workload="cpu", optimizer="sgd", batch_size=16, trial=0, reached=True, steps_to_target=5)
+    settings = sbs.study_settings("cpu", "sgd")
+    rec = dict(fake_trial(sbs.make_trial(settings, 16, 0, 45000)), reached=True, steps_to_target=5, settings=settings)
     for name, recs in (("trials.jsonl", [rec]), ("trials-shard0of2.jsonl", [rec, dict(rec, trial=1)]),
                        ("trials-shard1of2.jsonl", [dict(rec, steps_to_target=7)])):
         sbs.append_trial(str(tmp_path / name), recs[0])
@@ -554,7 +555,8 @@ def test_a_dry_run_plans_budgets_for_the_data_given(tmp_path, capsys):
     assert "b=50    trial 0:" in out and "budget 8 steps (2.00 epochs)" in out
     with pytest.raises(SystemExit) as e:
         sbs.main(common + ["--batch-sizes", "20", "400"])
-    assert e.value.code == 2 and "batch sizes up to 400 need more than the 200 training images" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "batch sizes up to 400 need more than the 200 training images" in err
     assert not (tmp_path / "out").exists()
 
 
@@ -656,3 +658,36 @@ def test_a_resume_with_nothing_to_run_names_no_unwritten_file(tmp_path, capsys):
 def test_printed_metaparameters_say_what_they_are_fractions_of():
     p = dict(lr_eff=1.0, momentum=0.9, warmup_frac=0.06, decay_to=0.131)
     assert "warm-up 0.06 of the budget, decay to 0.131 x the peak LR" in sbs.describe_params(p)
+
+
+def test_repeated_batch_sizes_are_studied_once_saying_so(capsys):
+    _, args = sbs.parse_args(["run", "--batch-sizes", "64", "32", "64", "--trials", "1", "--dry-run"])
+    assert args.batch_sizes == [32, 64]
+    assert "note: --batch-sizes 64 given more than once; each is studied once" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad, line, message", [
+    (lambda r: {k: v for k, v in r.items() if k != "trial"}, 2, 'no "trial"'),  # was a KeyError
+    (lambda r: [1, 2], 2, "[1, 2] is not a JSON object"),  # was an AttributeError
+    (lambda r: dict(r, steps_to_target="abc"), 2, '"steps_to_target" is "abc", not null or a whole number >= 1'),
+    (lambda r: dict(r, params=dict(r["params"], lr_eff=None)), 1, '"params.lr_eff" is null, not a number > 0'),
+])
+def test_a_line_that_is_no_trial_record_is_a_one_line_error_naming_it(tmp_path, capsys, bad, line, message):
+    """A trials record without "trial" (KeyError) or a JSON list (AttributeError) of the study's own folder failed
+    run and plot with a traceback."""
+    out, argv = tiny_study(tmp_path)
+    parser, args = sbs.parse_args(argv)
+    import torch_backend as tb
+    settings = dict(args.settings, data=tb.dataset_fingerprint(sbs.load_data(parser, args)))
+    good = [dict(fake_trial(spec), settings=settings) for spec in sbs.plan(settings, [25, 50], 2, 200)[:2]]
+    good[line - 1] = bad(good[line - 1])
+    out.mkdir()
+    (out / "trials.jsonl").write_text("".join(json.dumps(r) + "\n" for r in good))
+    before = (out / "trials.jsonl").read_bytes()
+    for command in (argv, ["plot", str(out)]):
+        with pytest.raises(SystemExit) as e:
+            sbs.main(command)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and len(err.splitlines()) == 1
+        assert f"trials.jsonl:{line} is not a trial record of this study ({message})" in err
+    assert (out / "trials.jsonl").read_bytes() == before

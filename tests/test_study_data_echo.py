@@ -21,7 +21,7 @@ def test_plan_runs_the_baseline_once_per_seed():
 
 def test_results_survive_a_line_cut_short(tmp_path, capsys):
     path = str(tmp_path / "results.jsonl")
-    rec = dict(workload="cpu", pipeline="device", mode="batch", factor=2.0, seed=0)
+    rec = dict(workload="cpu", pipeline="device", mode="batch", factor=2.0, seed=0, reached=False)
     study.append_result(path, rec)
     with open(path, "a") as f:
         f.write('{"workload": "cpu", "pipel')  # a crash in the middle of a write
@@ -197,8 +197,8 @@ def test_a_folder_of_other_settings_is_refused_naming_what_differs(tmp_path, cap
     argv = ["--data", "/nonexistent.npz", "--out", out, "--set", "epochs=2"]
     _, stored = study.parse_args(argv + ["--target", "0.8", "--set", "precision=fp32"])
     os.makedirs(out)
-    study.append_result(os.path.join(out, "results.jsonl"), dict(rec("none", 1.0, 0, 100, 1.0),
-                                                                 settings=stored.settings))
+    study.append_result(os.path.join(out, "results.jsonl"), dict(rec("none", 1.0, 0, 100, 1.0), workload="cpu",
+                                                                 pipeline="device", settings=stored.settings))
     with pytest.raises(SystemExit) as e:
         study.main(argv + ["--target", "0.15"])
     err = capsys.readouterr().err
@@ -260,3 +260,88 @@ def test_an_interrupt_before_any_run_ends_names_no_unwritten_results_file(tmp_pa
         study.main(tiny_echo(tmp_path) + ["--no-r"])
     wrote = [line for line in capsys.readouterr().out.splitlines() if line.startswith("wrote")]
     assert e.value.code == 130 and wrote and "results.jsonl" not in wrote[0]
+
+
+def stub_run(args, workload, data, device, mode, factor, seed, log):
+    """A finished run record without training (what main reads back and summarises)."""
+    return dict(workload=args.workload, pipeline=args.pipeline, mode=mode, factor=factor, seed=seed, target=0.01,
+                reached=True, diverged=False, fresh_to_target=100, steps_to_target=2, epochs_to_target=1.0,
+                time_to_target_s=1.0, accuracy=0.5, wall_s=0.0, settings=args.settings, finished="stub")
+
+
+def run_keys(out):
+    """(mode, factor, seed) of every line of results.jsonl; every line must parse."""
+    return [(r["mode"], r["factor"], r["seed"]) for r in map(json.loads, (out / "results.jsonl").read_text()
+                                                             .splitlines())]
+
+
+@pytest.mark.parametrize("torn", [True, False])
+def test_a_resume_after_a_torn_or_unterminated_last_line_leaves_every_run_once(tmp_path, capsys, monkeypatch, torn):
+    """A crash mid-write leaves a torn last line: the resume appended onto it, making one unreadable line, and every
+    later resume trained that run again. A complete last line without its newline was glued to the next alike."""
+    monkeypatch.setattr(study, "one_run", stub_run)
+    argv = tiny_echo(tmp_path) + ["--no-r"]
+    study.main(argv)
+    out = tmp_path / "out"
+    first, last = (out / "results.jsonl").read_text().splitlines()
+    (out / "results.jsonl").write_text(first + "\n" + (last[:40] if torn else last))  # no newline: a crash
+    more = argv[:argv.index("--factors")] + ["--factors", "1", "2", "4"] + argv[argv.index("--modes"):]
+    study.main(more)
+    expected = [("none", 1.0, 0), ("batch", 2.0, 0), ("batch", 4.0, 0)]
+    assert sorted(run_keys(out)) == sorted(expected)
+    capsys.readouterr()
+    study.main(more)  # nothing left: the repaired file holds every run, each once
+    assert "3 run(s) already" in capsys.readouterr().out and sorted(run_keys(out)) == sorted(expected)
+
+
+def test_repeated_factors_and_modes_train_and_count_each_run_once(tmp_path, capsys, monkeypatch):
+    """--factors 1 2 2 --modes batch batch trained (batch, 2, seed 0) four times and reported n=4 of one run."""
+    monkeypatch.setattr(study, "one_run", stub_run)
+    argv = tiny_echo(tmp_path) + ["--no-r"]
+    argv[argv.index("--factors"):argv.index("--target")] = ["--factors", "1", "2", "2", "--modes", "batch", "batch"]
+    study.main(argv)
+    captured = capsys.readouterr()
+    assert run_keys(tmp_path / "out") == [("none", 1.0, 0), ("batch", 2.0, 0)]
+    assert "note: --modes batch given more than once" in captured.err and "--factors 2 given" in captured.err
+    rows = json.loads((tmp_path / "out" / "summary.json").read_text())["rows"]
+    assert [(r["mode"], r["n"]) for r in rows] == [("none", 1), ("batch", 1)]
+
+
+@pytest.mark.parametrize("name, edit, message", [
+    ("r.json", lambda text: "garbage", "r.json is not an R measurement of this study (not JSON"),
+    ("r.json", lambda text: "[1, 2]", "r.json is not an R measurement of this study ([1, 2] is not a JSON object)"),
+    ("r.json", lambda text: json.dumps(dict(json.loads(text), R="fast")), '"R" is "fast", not a number'),
+    ("results.jsonl", lambda text: text.replace(', "seed": 0', "", 1), 'results.jsonl:1 is not a run record of '
+                                                                        'this study (no "seed")'),
+    ("results.jsonl", lambda text: text.replace('"fresh_to_target": 100', '"fresh_to_target": "abc"', 1),
+     'results.jsonl:1 is not a run record of this study ("fresh_to_target" is "abc", not a number >= 0)'),
+    ("results.jsonl", lambda text: text + "[1, 2]\n", "results.jsonl:3 is not a run record of this study ([1, 2] is"),
+])
+def test_edited_files_are_a_one_line_error_naming_file_and_line(tmp_path, capsys, monkeypatch, name, edit, message):
+    """A garbled r.json (JSONDecodeError), a record without "seed" (KeyError), "fresh_to_target": "abc" (ValueError in
+    core) or a JSON list (AttributeError) failed the resume with a traceback."""
+    monkeypatch.setattr(study, "one_run", stub_run)
+    monkeypatch.setattr(study, "measure_r", lambda *a, **k: dict(R=0.5))
+    argv = tiny_echo(tmp_path)
+    study.main(argv)
+    path = tmp_path / "out" / name
+    path.write_text(edit(path.read_text()))
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        study.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and message in err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before  # nothing lost or rewritten
+
+
+def test_a_cell_where_no_run_reached_the_target_shows_dashes_not_nan():
+    """No run of batch e=2 reached the target: its mean and spread read "nan ± nan", its speed-up "nan"."""
+    records = [rec("none", 1.0, 0, 1000, 10.0), rec("none", 1.0, 1, 1200, 12.0),
+               rec("batch", 2.0, 0, 0, 0, reached=False), rec("batch", 2.0, 1, 0, 0, reached=False)]
+    lines = []
+    study.print_summary(study.summarise(records, None, overlap=False), None, log=lines.append)
+    batch = next(line for line in lines if line.split()[0] == "batch").split()
+    assert batch == ["batch", "2", "0/2", "-", "-", "-", "-", "-", "-"]
+    none = next(line for line in lines if line.split()[0] == "none").split()
+    assert none[3:9] == ["1100", "±", "141", "11.0", "±", "1.4"] and none[-2:] == ["-", "-"]  # no R measured
