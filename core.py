@@ -248,6 +248,61 @@ class TsvLog:
         self.f.close()
 
 
+def read_jsonl(path, repair=False, warn=lambda m: print(m, file=sys.stderr)):
+    """(line number, value) for each line of an append-only JSONL file (a study's records) that parses. A line
+    that does not (cut short by a crash) is skipped with a warning; with repair=True a torn last line is also cut
+    off the file, and a complete last line without its newline gets one, so the next append starts a line of its
+    own (appended onto a torn line, a record was lost for good)."""
+    if not os.path.exists(path):
+        return []
+    with open(path, "rb") as f:
+        raw = f.read()
+    lines = raw.split(b"\n")
+    tail = lines.pop()  # b"" when the file ends with a newline
+    values = []
+    for n, line in enumerate(lines + [tail], 1):
+        if not line.strip():
+            continue
+        try:
+            values.append((n, json.loads(line)))
+        except ValueError:
+            last = n > len(lines)
+            warn(f"warning: {path}:{n} is not a complete record"
+                 + (" (a torn last line: an interrupted write)" if last else "")
+                 + ("; cut off" if last and repair else "; ignored"))
+            if last and repair:
+                with open(path, "r+b") as f:
+                    f.truncate(len(raw) - len(tail))
+            continue
+        if n > len(lines) and repair:
+            with open(path, "ab") as f:
+                f.write(b"\n")
+    return values
+
+
+def is_number(v):
+    """A finite real number, not a bool (JSON's true is no count)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def is_whole(v, least=-math.inf):
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+def field_problem(record, fields, where=""):
+    """Why a record (a dict read back from a file) lacks what its readers use, or None. fields: key -> (test,
+    what it must be, required)."""
+    if not isinstance(record, dict):
+        return f"{json.dumps(record)[:40]} is not a JSON object"
+    for key, (ok, what, required) in fields.items():
+        if key not in record:
+            if required:
+                return f'no "{where}{key}"'
+        elif not ok(record[key]):
+            return f'"{where}{key}" is {json.dumps(record[key])[:40]}, not {what}'
+    return None
+
+
 class LogError(ValueError):
     """A log that cannot be read as what it should be."""
 

@@ -288,97 +288,50 @@ def trial_key(rec):
     return rec["workload"], rec["optimizer"], int(rec["batch_size"]), int(rec["trial"])
 
 
-def _number(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _count(least):
-    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= least
-
-
-_STRING = (lambda v: isinstance(v, str), "a string")
+_STRING = (lambda v: isinstance(v, str), "a string", True)
+_COUNT = (lambda v: core.is_whole(v, 1), "a whole number >= 1", True)
 # Fields of a trial record that resume, the summary and the plots read: key -> (test, what it must be, required).
 # A record missing one failed deep inside them (KeyError, AttributeError), long after the file was read.
 TRIAL_FIELDS = {
-    "workload": _STRING + (True,), "optimizer": _STRING + (True,),
-    "batch_size": (_count(1), "a whole number >= 1", True), "trial": (_count(0), "a whole number >= 0", True),
+    "workload": _STRING, "optimizer": _STRING, "batch_size": _COUNT,
+    "trial": (lambda v: core.is_whole(v, 0), "a whole number >= 0", True),
     "settings": (lambda v: isinstance(v, dict), "an object", True),
     "reached": (lambda v: isinstance(v, bool), "true or false", True),
     "diverged": (lambda v: isinstance(v, bool), "true or false", True),
-    "budget_steps": (_count(1), "a whole number >= 1", True),
-    "eval_every_steps": (_count(1), "a whole number >= 1", True),
-    "steps_to_target": (lambda v: v is None or _count(1)(v), "null or a whole number >= 1", False),
-    "best_acc": (lambda v: v is None or _number(v), "null or a number", False),
+    "budget_steps": _COUNT, "eval_every_steps": _COUNT,
+    "steps_to_target": (lambda v: v is None or core.is_whole(v, 1), "null or a whole number >= 1", False),
+    "best_acc": (lambda v: v is None or core.is_number(v), "null or a number", False),
     "params": (lambda v: isinstance(v, dict), "an object", True),
-    "lr_window": (lambda v: isinstance(v, list) and len(v) == 2 and all(_number(x) and x > 0 for x in v),
+    "lr_window": (lambda v: isinstance(v, list) and len(v) == 2 and all(core.is_number(x) and x > 0 for x in v),
                   "two positive numbers", True),
 }
-SETTINGS_FIELDS = {"workload": _STRING + (True,), "optimizer": _STRING + (True,), "eval": _STRING + (True,),
-                   "target": (_number, "a number", True)}
-PARAMS_FIELDS = {k: (lambda v: _number(v) and v >= 0, "a number >= 0", True)
-                 for k in ("lr_eff", "lr", "momentum", "warmup_frac", "decay_to")}
-PARAMS_FIELDS.update(lr_eff=(lambda v: _number(v) and v > 0, "a number > 0", True),
-                     trust=(lambda v: v is None or _number(v), "null or a number", False))
-
-
-def _field_problem(d, fields, where=""):
-    for key, (ok, what, required) in fields.items():
-        if key not in d:
-            if required:
-                return f'no "{where}{key}"'
-        elif not ok(d[key]):
-            return f'"{where}{key}" is {json.dumps(d[key])[:40]}, not {what}'
-    return None
+SETTINGS_FIELDS = {"workload": _STRING, "optimizer": _STRING, "eval": _STRING,
+                   "target": (core.is_number, "a number", True)}
+PARAMS_FIELDS = {k: (lambda v: core.is_number(v) and v >= 0, "a number >= 0", True)
+                 for k in ("lr", "momentum", "warmup_frac", "decay_to")}
+PARAMS_FIELDS.update(lr_eff=(lambda v: core.is_number(v) and v > 0, "a number > 0", True),
+                     trust=(lambda v: v is None or core.is_number(v), "null or a number", False))
 
 
 def record_problem(rec):
     """Why a parsed line is not a trial record of this study, or None."""
-    if not isinstance(rec, dict):
-        return f"{json.dumps(rec)[:40]} is not a JSON object"
-    problem = (_field_problem(rec, TRIAL_FIELDS) or _field_problem(rec["settings"], SETTINGS_FIELDS, "settings.")
-               or _field_problem(rec["params"], PARAMS_FIELDS, "params."))
+    problem = (core.field_problem(rec, TRIAL_FIELDS)
+               or core.field_problem(rec["settings"], SETTINGS_FIELDS, "settings.")
+               or core.field_problem(rec["params"], PARAMS_FIELDS, "params."))
     if not problem and rec["reached"] and rec.get("steps_to_target") is None:
         problem = 'a trial that reached the target with no "steps_to_target"'
     return problem
 
 
 def read_trials(path, repair=False, warn=lambda m: print(m, file=sys.stderr)):
-    """Records of trials.jsonl. A last line cut short by a crash is ignored (and cut off the file with
-    repair=True, so the next append starts a clean line); other lines that do not parse are skipped with a
-    warning. A line that parses but is no trial record (edited, or another file) is a StudyError naming it."""
-    if not os.path.exists(path):
-        return []
-    with open(path, "rb") as f:
-        raw = f.read()
-    records, lines = [], raw.split(b"\n")
-    tail = lines.pop()  # b"" when the file ends with a newline
-
-    def checked(rec, n):
+    """Records of trials.jsonl (core.read_jsonl: a line torn by a crash skipped, or with repair cut off). A line
+    that parses but is no trial record (edited, or another file) is a StudyError naming it."""
+    records = []
+    for n, rec in core.read_jsonl(path, repair, warn):
         problem = record_problem(rec)
         if problem:
             raise StudyError(f"{path}:{n} is not a trial record of this study ({problem}); fix or remove that line")
-        return rec
-    for n, line in enumerate(lines, 1):
-        if line.strip():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                warn(f"warning: {path}:{n} is not a complete record; ignored")
-                continue
-            records.append(checked(rec, n))
-    if tail.strip():
-        try:
-            rec = json.loads(tail)
-        except ValueError:
-            warn(f"warning: {path}: last line is torn (interrupted write); ignored")
-            if repair:
-                with open(path, "r+b") as f:
-                    f.truncate(len(raw) - len(tail))
-            return records
-        records.append(checked(rec, len(lines) + 1))
-        if repair:  # complete but unterminated: terminate it
-            with open(path, "ab") as f:
-                f.write(b"\n")
+        records.append(rec)
     return records
 
 

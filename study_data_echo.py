@@ -144,65 +144,27 @@ class ResultsError(ValueError):
     pass
 
 
-def _number(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-_STRING = (lambda v: isinstance(v, str), "a string")
-# Fields of a run record that resume and the summary read: key -> (test, what it must be). A record missing one
-# failed deep inside them (KeyError; "abc" as fresh_to_target a ValueError in core.mean_std).
-RUN_FIELDS = {"workload": _STRING, "pipeline": _STRING, "mode": _STRING,
-              "factor": (lambda v: _number(v) and v >= 1, "a number >= 1"),
-              "seed": (lambda v: isinstance(v, int) and not isinstance(v, bool), "a whole number"),
-              "reached": (lambda v: isinstance(v, bool), "true or false")}
-REACHED_FIELDS = {k: (lambda v: _number(v) and v >= 0, "a number >= 0")  # what a run that reached it measured
+# Fields of a run record that resume and the summary read: key -> (test, what it must be, required). A record
+# missing one failed deep inside them (KeyError; "abc" as fresh_to_target a ValueError in core.mean_std).
+RUN_FIELDS = {**{k: (lambda v: isinstance(v, str), "a string", True) for k in ("workload", "pipeline", "mode")},
+              "factor": (lambda v: core.is_number(v) and v >= 1, "a number >= 1", True),
+              "seed": (core.is_whole, "a whole number", True),
+              "reached": (lambda v: isinstance(v, bool), "true or false", True)}
+# and what a run that reached the target measured
+REACHED_FIELDS = {k: (lambda v: core.is_number(v) and v >= 0, "a number >= 0", True)
                   for k in ("fresh_to_target", "steps_to_target", "time_to_target_s")}
 
 
-def record_problem(rec):
-    """Why a parsed line is not a run record of this study, or None. (study_batch_size.py has its own: the
-    studies share no module but core.py, which this change leaves alone.)"""
-    if not isinstance(rec, dict):
-        return f"{json.dumps(rec)[:40]} is not a JSON object"
-    for key, (ok, what) in list(RUN_FIELDS.items()) + list(REACHED_FIELDS.items() if rec.get("reached") else []):
-        if key not in rec:
-            return f'no "{key}"'
-        if not ok(rec[key]):
-            return f'"{key}" is {json.dumps(rec[key])[:40]}, not {what}'
-    return None
-
-
 def read_results(path, repair=False, warn=lambda m: print(m, file=sys.stderr)):
-    """Finished runs from the JSONL file. A line that does not parse (cut short by a crash) is skipped with a
-    warning; with repair=True a torn last line is also cut off the file and an unterminated complete one
-    terminated, so the next append starts a line of its own (appended onto, both were lost for good). A line
-    that parses but is no run record (edited, or another file) is a ResultsError naming it."""
-    if not os.path.exists(path):
-        return []
-    with open(path, "rb") as f:
-        raw = f.read()
-    records, lines = [], raw.split(b"\n")
-    tail = lines.pop()  # b"" when the file ends with a newline
-    for n, line in enumerate(lines + [tail], 1):
-        if not line.strip():
-            continue
-        last = n > len(lines)
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            warn(f"warning: {path}:{n} is not a complete record (interrupted write?); "
-                 + ("cut off" if last and repair else "ignored"))
-            if last and repair:
-                with open(path, "r+b") as f:
-                    f.truncate(len(raw) - len(tail))
-            continue
-        problem = record_problem(rec)
+    """Finished runs from the JSONL file (core.read_jsonl: a line torn by a crash skipped, or with repair cut
+    off). A line that parses but is no run record (edited, or another file) is a ResultsError naming it."""
+    records = []
+    for n, rec in core.read_jsonl(path, repair, warn):
+        problem = core.field_problem(rec, RUN_FIELDS) or (
+            core.field_problem(rec, REACHED_FIELDS) if rec.get("reached") else None)
         if problem:
             raise ResultsError(f"{path}:{n} is not a run record of this study ({problem}); fix or remove that line")
         records.append(rec)
-        if last and repair:
-            with open(path, "ab") as f:
-                f.write(b"\n")
     return records
 
 
@@ -544,7 +506,7 @@ def main(argv=None):
             with open(r_path, "rb") as f:
                 r_info = json.load(f)
             problem = (f"{json.dumps(r_info)[:40]} is not a JSON object" if not isinstance(r_info, dict) else
-                       None if _number(r_info.get("R")) and r_info["R"] >= 0 else
+                       None if core.is_number(r_info.get("R")) and r_info["R"] >= 0 else
                        f'"R" is {json.dumps(r_info.get("R"))[:40]}, not a number >= 0')
         except ValueError as e:  # (a UnicodeDecodeError too)
             problem = f"not JSON: {e}"
