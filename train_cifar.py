@@ -298,6 +298,8 @@ def check_config(cfg):
         need(all(math.isfinite(v) for v in values if isinstance(v, float)),
              f"{key.replace('_', '-')} must be finite, got {value}")
     need(cfg["net"] in NETS, f"unknown net {cfg['net']!r}; choose one of {', '.join(NETS)}")
+    need(cfg["whiten_bias_epochs"] >= 0, f"whiten-bias-epochs must be >= 0 (0: always trained), got "
+         f"{cfg['whiten_bias_epochs']:g}")
     need(not cfg["whiten_bias_epochs"] or cfg["net"] == "fastnet", "whiten-bias-epochs needs net fastnet")
     need(cfg["block_depth"] in (2, 3) and (cfg["block_depth"] == 2 or cfg["net"] == "fastnet"),
          "block-depth must be 2 or 3 (3 needs net fastnet)")
@@ -360,8 +362,8 @@ def check_config(cfg):
     need(cfg["echo_factor"] >= 1 and cfg["echo_shuffle_buffer"] >= 0, "need echo-factor >= 1, echo-shuffle-buffer >= 0")
     need(cfg["echo"] != "none" or cfg["echo_factor"] == 1,  # (else it silently echoes nothing)
          f"echo-factor {cfg['echo_factor']:g} needs an --echo mode ({', '.join(pipeline.ECHO_MODES[1:])})")
-    need(cfg["eval_every_steps"] >= 0 and 0 <= cfg["holdout"] < core.CIFAR10_TRAIN_IMAGES,
-         f"need eval-every-steps >= 0, 0 <= holdout < {core.CIFAR10_TRAIN_IMAGES}")
+    need(cfg["eval_every_steps"] >= 0, f"eval-every-steps must be >= 0 (0: none), got {cfg['eval_every_steps']}")
+    need(cfg["holdout"] >= 0, f"holdout must be >= 0 (0: evaluate on the test set), got {cfg['holdout']}")
     need(all(int(v) == v and MIN_TRAIN_SIZE <= v <= IMAGE_SIZE for v in cfg["train_sizes"]),
          f"train-sizes must be whole numbers of pixels in {MIN_TRAIN_SIZE}..{IMAGE_SIZE}")
     need(cfg["pipeline"] in ("device", "loader") and cfg["loader_workers"] >= 0,
@@ -383,6 +385,8 @@ def check_distributed(cfg, world):
         if cfg[key] and (world % cfg[key] or world == 1):
             raise ValueError(f"{key.replace('_', '-')} {cfg[key]} needs several processes and must divide "
                              f"their number ({world})")
+    if cfg["allreduce"] == "hierarchical" and world == 1:  # (one process has no gradients to sum: a flat run)
+        raise ValueError("allreduce hierarchical needs several processes (torchrun --nproc_per_node N)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1460,7 +1464,7 @@ OPTION_HELP = dict(
     flip="horizontal flips: random, alternate (each image flipped on alternate epochs) or none",
     pad="random translation: crops from images reflect-padded by this many pixels",
     cutout="side of a square zeroed at a random place in each training image (0: none)",
-    train_sizes="progressive resizing: the training images' side in each epoch, the last repeating (none: 32)",
+    train_sizes="progressive resizing: the training images' side in each epoch, the last repeating (not set: 32)",
     tta="test-time augmentation: 0 none, 1 with the mirror, 2 both also shifted by a pixel (6 views)",
     tta_confidence="run the extra TTA views only on images predicted below this probability (0: on every one)",
     select_fraction="data selection: train on this fraction of each step's candidates, the hardest (1: off)",

@@ -69,6 +69,9 @@ def tiny_npz(tmp_path, tiny):
     (["--device", "gpu0"], "device 'gpu0': not a device name"),
     (["--sync-check", "true", "--device", "cpu"], "sync-check is for CUDA devices"),
     (["--holdout", "200"], "holdout 200 leaves none of the 200 training images"),
+    (["--holdout", "-1"], "holdout must be >= 0 (0: evaluate on the test set), got -1"),  # (was "< 50000" here)
+    (["--whiten-bias-epochs", "-1"], "whiten-bias-epochs must be >= 0"),  # (taken as "never frozen")
+    (["--allreduce", "hierarchical"], "allreduce hierarchical needs several processes"),  # (a flat run, silently)
     (["--echo-factor", "3"], "echo-factor 3 needs an --echo mode"),
     (["--seed", str(2 ** 64 - 1), "--runs", "2"], "seeds must lie in [-2^63, 2^64)"),
     (["--holdout", "100", "--batch-size", "150"], "exceeds the 100 training images left by holdout 100"),
