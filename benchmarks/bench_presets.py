@@ -183,6 +183,11 @@ def main():
     except ValueError as e:
         p.error(str(e))
     device = a.device or tb.default_device()
+    idle = [f"--{k}" for k in ("breakdown", "profile", "compile") if getattr(a, k)]
+    if a.flops_only and idle:  # (each was accepted and did nothing)
+        p.error(f"--flops-only times nothing: {', '.join(idle)} would have no effect")
+    if a.profile and device.type != "cuda":
+        p.error("--profile lists a step's GPU kernels: it needs a CUDA device")
     for preset in a.presets:
         try:
             # (with --flops-only nothing runs: FLOPs are counted in fp32 on the meta device)
@@ -220,7 +225,7 @@ def main():
         r = measure(preset, device, a.steps, a.repeats, a.compile, overrides, a.breakdown, a.profile)
         results.append(r)
         table.row({"preset": preset, "precision": r["precision"], "PF/run": r["train_flops_per_run"] / 1e15,
-                   "img/s": round(r["img_per_s"][0]), "±": round(r["img_per_s"][1]),
+                   "img/s": round(r["img_per_s"][0]), "±": round(r["img_per_s"][1]) if a.repeats > 1 else "-",
                    "TFLOP/s": r["tflop_per_s"][0], "% peak": f"{100 * r['tflop_per_s'][0] / peak[0]:.0f}%",
                    "est_time_s": round(r["est_train_time_s"])})
         if a.breakdown:

@@ -51,12 +51,9 @@ def check_own_accuracy(path, cfg, model, data, precision, device, logged, finger
         return
     confidence = cfg.get("tta_confidence") or 0.0
     name = ("plain", "mirror", "6 views")[cfg["tta"]] + (f" if p<{confidence:g}" if cfg["tta"] and confidence else "")
-    here = train_cifar.data_fingerprint(data) if fingerprint else None
     if cfg.get("holdout"):
         why = f"its run evaluated {cfg['holdout']} images held out of the training set (holdout), not the test set"
-    elif here and any(here[k] != fingerprint[k] for k in ("test_x", "test_y")):
-        why = "its test set is not the one the run evaluated: pass the --data it ran on"
-    elif here:
+    elif fingerprint:  # (main() has compared the test set with the run's)
         why = "the test set is the run's, so the net differs: another checkpoint, or another code version?"
     else:  # (checkpoints from before the data's fingerprint was saved)
         why = "other data than its run's (pass the --data it ran on), or another net or checkpoint?"
@@ -149,6 +146,9 @@ def main():
         except KeyError as e:
             p.error(f"{path}: a checkpoint without {e}, from an older train_cifar.py?")
         data = tb.to_device(raw, device, tb.DTYPES[precision], pad=cfg["pad"])
+        here = train_cifar.data_fingerprint(data) if fingerprint else None  # (none in older checkpoints)
+        if here and not cfg.get("holdout") and any(here[k] != fingerprint[k] for k in ("test_x", "test_y")):
+            p.error(f"{path}: this test set is not the one its run evaluated: pass the --data it ran on")
         check_own_accuracy(path, cfg, model, data, precision, device, logged, fingerprint)
         plain = tb.predict(model, data["test_x"], precision, device)
         top = plain.softmax(1).amax(1)
@@ -165,7 +165,7 @@ def main():
             share = (top < confidence).float().mean().item() if confidence else float(level > 0)
             row = dict(checkpoint=os.path.basename(path), seed=seed, mode=name, tta=level, tta_confidence=confidence,
                        accuracy=accuracy, tta_share=share, seconds=core.mean_std(seconds))
-            table.row(dict(row, seconds=row["seconds"][0], **{"±": row["seconds"][1]}))
+            table.row(dict(row, seconds=row["seconds"][0], **{"±": row["seconds"][1] if a.repeats > 1 else "-"}))
             results.append(row)
         if a.view_sets:
             sets = view_set_accuracies(model, data["test_x"], data["test_y"], precision, device, sync)
@@ -179,7 +179,7 @@ def main():
                 row = dict(checkpoint=os.path.basename(path), seed=seed, mode=name, view_set=True,
                            views=len(tb.view_weights(shifts, centre_weight)), shifts=shifts,
                            centre_weight=centre_weight, accuracy=accuracy, tta_share=1.0, seconds=(seconds, 0.0))
-                table.row(dict(row, seconds=seconds, **{"±": 0.0}))
+                table.row(dict(row, seconds=seconds, **{"±": "-"}))  # (timed once)
                 results.append(row)
         if log_path:  # after every net, so the nets done so far survive a crash or a stop
             core.write_json_atomic(log_path, info)

@@ -116,6 +116,10 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="bench_ddp.py ru
      "--set trust_coefficient= has no effect without --optimizer lars"),
     ("bench_presets.py", ["--flops-only", "--presets", "fast94", "--set", "preset=resnet9"],
      "fast94: preset is not an option to set"),
+    ("bench_presets.py", ["--flops-only", "--presets", "fast94", "--breakdown", "--compile"],
+     "--flops-only times nothing: --breakdown, --compile would have no effect"),
+    ("bench_presets.py", ["--presets", "fast94", "--device", "cpu", "--profile", *TINY_STEP],
+     "--profile lists a step's GPU kernels: it needs a CUDA device"),
 ])
 def test_options_train_would_refuse_exit_2_before_anything_is_timed(tmp_path, script, args, message):
     """The checks train() makes before a run (the batch fits the training images, ghost-BN groups divide it, the
@@ -138,6 +142,12 @@ def test_a_batch_of_every_training_image_is_timed(monkeypatch, capsys):
     bench_ddp.main()
     out = capsys.readouterr().out
     assert " img/s on " in out and "±" not in out  # one repeat has no spread: it printed "5,798 ± 0 img/s"
+    monkeypatch.setattr(sys, "argv", ["bench_presets.py", "--presets", "fast94", "--steps", "2", "--repeats", "1",
+                                      "--device", "cpu", "--log-dir", "",
+                                      *(f"--set={k}={v}".replace(" ", "") for k, v in tiny.items())])
+    bench_presets.main()
+    (row,) = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["fast94"]]
+    assert row[4] == "-"  # (the ± column after img/s: it printed 0)
 
 
 def test_ddp_check_runs_the_documented_fp32(tmp_path):

@@ -45,6 +45,8 @@ def test_eval_tta_reproduces_the_runs_own_accuracy_and_each_mode(tmp_path, prese
     top = plain.softmax(1).amax(1)
     assert rows["6v if p<0.3"]["tta_share"] == pytest.approx((top < 0.3).float().mean().item())
     assert rows["6v if p<1"]["accuracy"] == rows["6 views"]["accuracy"]
+    table = [line.split() for line in r.stdout.splitlines() if line.split()[:2] == ["0", "plain"]]
+    assert table and table[0][-1] == "-"  # one timing per mode has no spread ("0.0000" read as measured)
 
 
 def test_eval_tta_checks_the_runs_own_accuracy_before_timing_and_says_why_it_differs(tmp_path):
@@ -65,14 +67,19 @@ def test_eval_tta_checks_the_runs_own_accuracy_before_timing_and_says_why_it_dif
     torch.save(state, tmp_path / "other-net.pt")
     del state["data"]  # a checkpoint from before the fingerprint was saved
     torch.save(state, tmp_path / "old.pt")
-    for run, npz_used, why in [(ckpt, "other.npz", "its test set is not the one the run evaluated: pass the --data"),
-                               ("other-net.pt", "tiny.npz", "the test set is the run's, so the net differs"),
+    for run, npz_used, why in [("other-net.pt", "tiny.npz", "the test set is the run's, so the net differs"),
                                ("old.pt", "tiny.npz", "other data than its run's (pass the --data it ran on), or ")]:
         r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "eval_tta.py"), str(run), "--data",
                             npz_used, "--confidences", "0.5", "--repeats", "1", "--log-dir", ""],
                            capture_output=True, text=True, timeout=600, cwd=tmp_path)
         assert r.returncode != 0 and "plain" not in r.stdout, "a mode was timed before the check"
         assert f"{run}: 6 views " in r.stderr and " but its run logged " in r.stderr and why in r.stderr
+    # other data, known by the fingerprint: a usage error before anything is evaluated (it was, then exit 1)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "eval_tta.py"), str(ckpt), "--data",
+                        "other.npz", "--repeats", "1", "--log-dir", ""],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 2 and "plain" not in r.stdout and "but its run logged" not in r.stderr
+    assert f"eval_tta.py: error: {ckpt}: this test set is not the one its run evaluated: pass the --data" in r.stderr
 
 
 def test_eval_tta_refuses_an_unfinished_run(tmp_path):
