@@ -17,6 +17,7 @@ error naming the difference, unless --allow-mixed. Seeds, hardware, compilation 
 import argparse
 import json
 import math
+import os
 import sys
 
 import core
@@ -210,6 +211,11 @@ def main(argv=None):
     p.add_argument("--vs", nargs="+", default=[], metavar="LOG", help="JSON logs of series B, compared with A")
     p.add_argument("--allow-mixed", action="store_true", help="pool logs whose recipes differ (listed as mixed)")
     a = p.parse_args(argv)
+    both = sorted({os.path.realpath(x) for x in a.logs} & {os.path.realpath(x) for x in a.vs})
+    if both:  # (a glob for B that also matches A's logs: B - A would count those runs on both sides)
+        print(f"compare_runs.py: error: {', '.join(both)} given in both A and --vs B; give each log to one series",
+              file=sys.stderr)
+        return 2
     try:
         first = series(a.logs, a.allow_mixed)
         second = series(a.vs, a.allow_mixed) if a.vs else None

@@ -226,6 +226,9 @@ def test_a_log_given_twice_counts_once(real_log, tmp_path, capsys):
     assert compare_runs.main([path, str(again), path]) == 0
     out = capsys.readouterr().out
     assert "2 logs, n=4 (seeds 0-1; 0-1 run twice)" in out and f"(counted once: {path} (given twice))" in out
+    # in both series, B - A would count its runs on both sides
+    assert compare_runs.main([path, str(again), "--vs", spelt_otherwise]) == 2
+    assert f"{path} given in both A and --vs B" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("field, value, message", [
