@@ -120,6 +120,9 @@ def test_warmup_knots():
     knots, values = parallel.warmup_knots([0, 5, 24], [0.0, 0.4, 0.0], 2)
     assert knots == [0, 2, 5, 24] and values == pytest.approx([0.0, 0.16, 0.4, 0.0])
     assert parallel.warmup_knots([0, 10], [1.0, 0.0], 12) == ([0, 12], [0.0, 0.0])
+    # a schedule starting at epoch 3: the warm-up ends at 3 + 2 = 5, where the schedule is 1 - 2/10 = 0.8
+    knots, values = parallel.warmup_knots([3, 13], [1.0, 0.0], 2)
+    assert knots == [3, 5, 13] and values == pytest.approx([0.0, 0.8, 0.0])
     assert parallel.warmup_knots([0, 10], [1.0, 0.0], 0) == ([0, 10], [1.0, 0.0])
     with pytest.raises(ValueError):
         parallel.warmup_knots([0, 10], [1.0, 0.0], -1)
@@ -273,6 +276,16 @@ def test_convert_bn_swaps_every_batch_norm_and_shares_its_state():
     assert_close(model(x), before)
 
 
+def test_convert_sync_bn_keeps_each_layers_momentum_and_eps():
+    """fastnet's BN momentum is 0.4 and eps 1e-12: a converted layer with PyTorch's defaults (0.1, 1e-5) would
+    average and normalise otherwise than the single-process run."""
+    model = nn.Sequential(nn.BatchNorm2d(4, momentum=0.4, eps=1e-12), nn.BatchNorm2d(4))
+    old = [(m.momentum, m.eps) for m in model]
+    parallel.convert_sync_bn(model)
+    assert all(isinstance(m, parallel.GroupSyncBatchNorm2d) for m in model)
+    assert [(m.momentum, m.eps) for m in model] == old == [(0.4, 1e-12), (0.1, 1e-5)]
+
+
 def test_sync_bn_without_a_process_group_is_batch_norm():
     x, upstream, weight, bias = bn_problem()
     plain = bn_layer(weight, bias)
@@ -363,6 +376,43 @@ def rank_results(tmp_path_factory):
     directory = tmp_path_factory.mktemp("ranks")
     mp.spawn(rank_main, args=(str(directory),), nprocs=WORLD, join=True)
     return [torch.load(directory / f"rank{rank}.pt") for rank in range(WORLD)]
+
+
+GRID_WORLD, GRID_GROUP = 6, 3  # not square: intra groups of 3, inter groups of 2 (a 2 x 2 grid hides swaps)
+GRID_SIZES = (7, 8, 9)  # bucket sizes that leave 1, 2 and 0 of a shard over
+
+
+def grid_bucket(rank, n):
+    return torch.randn(n, generator=torch.Generator().manual_seed(100 * n + rank))
+
+
+def grid_rank_main(rank, directory):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{directory}/store", rank=rank, world_size=GRID_WORLD)
+    try:
+        state = parallel.make_hierarchical_state(GRID_WORLD, GRID_GROUP)
+        results = dict(intra=dist.get_process_group_ranks(state.intra_group),
+                       inter=dist.get_process_group_ranks(state.inter_group))
+        for n in GRID_SIZES:
+            results[n] = parallel.hierarchical_allreduce_hook(state, FakeBucket(grid_bucket(rank, n))).wait()
+        torch.save(results, os.path.join(directory, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_hierarchical_hook_on_a_grid_that_is_not_square(tmp_path):
+    """Six ranks in groups of three: each rank's groups are its block of three and the ranks at its position in
+    the other block, and every bucket (sizes padded by 2, 1 and 0 to whole shards) comes back as the mean of all
+    six ranks' buckets, in float64 by hand."""
+    mp.spawn(grid_rank_main, args=(str(tmp_path),), nprocs=GRID_WORLD, join=True)
+    for rank in range(GRID_WORLD):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        block = rank // GRID_GROUP * GRID_GROUP
+        assert got["intra"] == list(range(block, block + GRID_GROUP))
+        assert got["inter"] == list(range(rank % GRID_GROUP, GRID_WORLD, GRID_GROUP))
+        for n in GRID_SIZES:
+            mean = sum(grid_bucket(r, n).double() for r in range(GRID_WORLD)) / GRID_WORLD
+            assert_close(got[n].double(), mean, rtol=1e-6, atol=1e-7)
 
 
 def test_sharded_evaluation_scores_every_test_image_once(rank_results):
@@ -582,6 +632,28 @@ def test_cost_model_command_prints_two_tables():
     assert out.returncode == 0 and "2-D wins from 16 ranks" in out.stdout, out.stderr
     assert out.stdout.splitlines()[7].split() == ["grad_MB", "2d_from", "spd@16"], out.stdout
     assert "crossover by gradient size" in out.stdout and len(out.stdout.splitlines()) == 12, out.stdout
+
+
+def test_cost_model_speedups_are_the_flat_time_over_the_2d_time():
+    """A speed-up above 1 must mean 2-D is faster: each printed one against the two times computed here."""
+    links = (8, 5e-6, 300e9, 1e-5, 25e9)
+    lines = []
+    parallel.cost_model_table(25e6, *links, max_ranks=64, out=lines.append)
+    for line in lines[1:-1]:
+        ranks, groups, ring_ms, two_d_ms, speedup = line.split()
+        flat = parallel.flat_allreduce_time(int(groups), 8, 25e6, *links[1:])
+        two_d = parallel.hierarchical_allreduce_time(int(groups), 8, 25e6, *links[1:])
+        assert float(ring_ms) == pytest.approx(1e3 * flat, rel=1e-3, abs=1e-3)
+        assert float(two_d_ms) == pytest.approx(1e3 * two_d, rel=1e-3, abs=1e-3)
+        assert float(speedup) == pytest.approx(flat / two_d, rel=1e-2)
+    lines = []
+    parallel.crossover_table([8e5, 8e7], 4, *SHARED_NIC, max_ranks=512, out=lines.append)
+    for line in lines[1:]:
+        mb, _, at_8, at_512 = line.split()
+        for ranks, shown in ((8, at_8), (512, at_512)):
+            want = (parallel.flat_allreduce_time(ranks // 4, 4, float(mb) * 1e6, *SHARED_NIC)
+                    / parallel.hierarchical_allreduce_time(ranks // 4, 4, float(mb) * 1e6, *SHARED_NIC))
+            assert float(shown) == pytest.approx(want, rel=1e-2), (mb, ranks)
 
 
 def test_cost_model_says_where_2d_is_faster_when_it_does_not_win_for_good():
