@@ -524,6 +524,20 @@ def test_init_distributed_without_torchrun_is_a_single_process(monkeypatch):
     assert not dist.is_initialized()
 
 
+
+def test_init_distributed_takes_torchruns_rank_world_and_local_rank(monkeypatch):
+    """On the second node of two, rank 5 is local rank 1: its GPU is cuda:1, not cuda:5."""
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    joined = {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: joined.update(kw, backend=backend))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert parallel.init_distributed() == (5, 8, 1)
+    assert (joined["rank"], joined["world_size"], joined["backend"]) == (5, 8, "gloo")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # All-reduce cost model
 
