@@ -275,3 +275,60 @@ def test_train_with_the_loader_pipeline_counts_fresh_examples(tiny):
                           echo_factor=2)
     run = s["runs"][0]
     assert [r["fresh"] for r in run["epochs"]] == [100, 200] and run["accuracy"] is not None
+
+
+@pytest.mark.parametrize("mode, factor", [("none", 1), ("example-before-aug", 2)])
+def test_alternating_flips_start_from_the_base_flip_in_the_first_pass(mode, factor):
+    """Guards against swapped pass parity: odd passes (the first is 1) flip as base_flip, even ones the other way."""
+    stream = stream_of(loader_data(n=40), flip="alternate", echo=mode, echo_factor=factor)
+    passes = set()
+    for _ in range(2 * 2 * factor):  # two upstream passes of 2 batches of 20
+        stream.next_batch()
+        last = stream.last
+        for i, p, f in zip(last["index"].tolist(), last["pass"].tolist(), last["flip"].tolist()):
+            assert f == (bool(stream.base_flip[i]) if p % 2 == 1 else not stream.base_flip[i])
+            passes.add(p)
+    assert passes == {1, 2} and 0 < stream.base_flip.sum() < 40
+
+
+def test_upstream_jobs_reshuffle_every_pass():
+    """Guards against one permutation being reused for every pass: each pass is a new order of all examples."""
+    jobs = iter(pipeline.UpstreamJobs(30, 10, shuffle_seed=3, aug_seed=7))
+    orders = []
+    for p in range(1, 5):
+        order = []
+        for u in range(3 * (p - 1), 3 * p):  # 3 upstream batches of 10 per pass, numbered on across passes
+            pass_no, upstream, seed, index = next(jobs)
+            assert (pass_no, upstream, seed, len(index)) == (p, u, 7, 10)
+            order += index.tolist()
+        assert sorted(order) == list(range(30))
+        orders.append(order)
+    assert len({tuple(o) for o in orders}) == 4
+
+
+@pytest.mark.parametrize("buffer", [0, 8])
+def test_finished_upstream_batches_are_released(buffer):
+    """Guards against a leak: upstream batches whose echoed items were all emitted must be freed."""
+    factor, bs = 1.5, 4
+    stream = stream_of(loader_data(n=40), batch_size=bs, echo="example-after-aug", echo_factor=factor,
+                       echo_shuffle_buffer=buffer)
+    # fewer than bs * ceil(factor) items wait in `ready` after a batch; in order (no buffer) they span at most
+    # ceil(factor) + 1 upstream batches, and with a buffer at most one batch per waiting item
+    bound = math.ceil(factor) + 1 if not buffer else buffer + bs * math.ceil(factor)
+    for _ in range(60):  # about 40 upstream batches
+        stream.next_batch()
+        waiting = stream.ready + (stream.buffer.items if stream.buffer else [])
+        assert len(stream.chunks) <= bound and set(stream.chunks) == {r // bs for r in waiting}
+    assert stream.fresh_read >= 30 * bs
+
+
+def test_png_cache_is_not_fooled_by_a_reused_id(monkeypatch):
+    """Guards against encode_pngs returning a freed array's PNGs for a new array that got the same id()."""
+    monkeypatch.setattr(pipeline, "_PNG_BY_ID", {})
+    monkeypatch.setattr(pipeline, "id", lambda obj: 12345, raising=False)  # every array gets the same id
+    a = synthetic(n_train=4, seed=1)["train_x"]
+    assert np.array_equal(pipeline.encode_pngs(a).decode(0), a[0])
+    del a  # freed: its id may now be handed to a new array
+    b = synthetic(n_train=4, seed=2)["train_x"]
+    encoded = pipeline.encode_pngs(b)
+    assert np.array_equal(np.stack([encoded.decode(i) for i in range(4)]), b)

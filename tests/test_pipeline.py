@@ -138,3 +138,49 @@ def test_a_pass_draws_its_augmentations_without_reading_the_device(mode, factor,
     gen = torch.Generator().manual_seed(1)
     items, aug_ids, _ = pipeline.echo_pass(torch.randperm(n, generator=gen), mode, factor, batch_size, gen)
     assert stream._augmentations(items) == int(aug_ids.max()) + 1
+
+
+@pytest.mark.parametrize("mode", ["example-after-aug", "batch", "example-before-aug"])
+def test_shuffle_buffer_moves_each_items_augmentation_with_it(mode):
+    """Guards against the shuffle buffer reordering items but not their aug ids (draws no longer follow items)."""
+    cfg = dict(CFG, echo=mode, echo_factor=2, echo_shuffle_buffer=16)
+    stream = stream_of(64, cfg, gen(2))
+    draws, positions = collections.defaultdict(list), collections.defaultdict(list)
+    for b in range(16):  # one whole pass: 64 examples, each twice, in batches of 8
+        idx, a = stream.next_indices()
+        for r, item in enumerate(idx.tolist()):
+            draws[item].append((int(a["dy"][r]), int(a["dx"][r]), bool(a["flip"][r])))
+            positions[item].append(b * 8 + r)
+    assert stream.passes == 1 and set(draws) == set(range(64)) and all(len(d) == 2 for d in draws.values())
+    assert sum(p[1] - p[0] > 1 for p in positions.values()) > 32  # the buffer did separate most copies
+    if mode == "example-before-aug":  # every copy is augmented on its own (50 possible draws, so few coincide)
+        assert sum(d[0] != d[1] for d in draws.values()) > 0.9 * 64
+    else:  # copies of an augmented example (or of a batch) are identical wherever the buffer put them
+        assert all(d[0] == d[1] for d in draws.values())
+
+
+def streamed_order(n, size, generator):
+    buf = pipeline.ShuffleBuffer(size, generator)
+    return torch.tensor(buf.push(list(range(n))) + buf.flush())
+
+
+@pytest.mark.parametrize("order_of", [pipeline.shuffle_buffer_order, streamed_order], ids=["order", "streaming"])
+def test_a_buffer_larger_than_the_stream_still_shuffles(order_of):
+    """Guards against residents being flushed in slot order, which leaves a stream of n <= size items unshuffled."""
+    outputs = []
+    for seed in range(5):
+        for n, size in [(10, 10), (7, 20)]:
+            out = order_of(n, size, gen(seed)).tolist()
+            assert sorted(out) == list(range(n))
+            outputs.append(out == list(range(n)))
+    assert not any(outputs)  # a random order of 7 or 10 items is the identity with chance < 1/5000
+
+
+def test_a_fractional_factor_is_met_on_average_without_rounding():
+    """Guards against the fractional part of the echo factor being rounded (4/3 echoing like 1.3)."""
+    n = 300000
+    items, _, _ = pipeline.echo_pass(torch.arange(n), "example-after-aug", 4 / 3, 8, gen())
+    counts = torch.bincount(items, minlength=n)
+    assert set(counts.tolist()) == {1, 2}
+    # a third of the items twice: sd of the mean sqrt(2/9 / n) < 0.001; rounding to 0.1 would be 0.033 off
+    assert len(items) / n == pytest.approx(4 / 3, abs=0.004)
