@@ -871,9 +871,12 @@ def parse_args(argv):
             # at most this many (the real data may hold fewer: the run checks again with it in hand)
             holdout = args.settings["holdout"]
             n_train = (args.train_subset or core.CIFAR10_TRAIN_IMAGES) - holdout
+            source = (f"--train-subset {args.train_subset}" if args.train_subset else
+                      f"CIFAR-10's {core.CIFAR10_TRAIN_IMAGES}")
+            if n_train < 1:  # ("-4900 training images ... are too few" said it the hard way)
+                raise StudyError(f"a holdout of {holdout} leaves none of the {n_train + holdout} training images "
+                                 f"({source}) to train on; give a smaller --holdout")
             if n_train < max(args.batch_sizes):
-                source = (f"--train-subset {args.train_subset}" if args.train_subset else
-                          f"CIFAR-10's {core.CIFAR10_TRAIN_IMAGES}")
                 held = f" less a holdout of {holdout}" if holdout else ""
                 raise StudyError(f"{n_train} training images ({source}{held}) are too few for batch sizes up to "
                                  f"{max(args.batch_sizes)}")

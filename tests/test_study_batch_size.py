@@ -528,8 +528,11 @@ def test_plot_joins_folders_of_one_study_into_one_curve(tmp_path, capsys):
     (["--batch-sizes", "16", "2048", "--lr-window-exponent", "1e6"], "--lr-window-exponent 1e+06 puts"),  # overflow
     (["--epochs", "-1"], "--epochs must be positive and finite, got -1.0"),  # silently min-steps
     (["--train-subset", "-10"], "--train-subset must be >= 0 (0: all), got -10"),
-    (["--train-subset", "100"], "-4900 training images (--train-subset 100 less a holdout of 5000) are too few for "
-                                "batch sizes up to 32"),  # planned "budget 200 steps (-0.64 epochs)"
+    # planned "budget 200 steps (-0.64 epochs)"; then said "-4900 training images ... are too few"
+    (["--train-subset", "100"], "a holdout of 5000 leaves none of the 100 training images (--train-subset 100) to "
+                                "train on; give a smaller --holdout"),
+    (["--train-subset", "100", "--holdout", "80"], "20 training images (--train-subset 100 less a holdout of 80) are "
+                                                   "too few for batch sizes up to 32"),
     (["--holdout", "0"], "--holdout must be at least 1 with --eval holdout, got 0"),  # judged on the test set
     # planned and trained on all 50000 while settings.train_subset said 60000
     (["--train-subset", "60000"], "--train-subset 60000 exceeds CIFAR-10's 50000 training images"),
