@@ -211,7 +211,8 @@ def main(argv=None):
     p.add_argument("--vs", nargs="+", default=[], metavar="LOG", help="JSON logs of series B, compared with A")
     p.add_argument("--allow-mixed", action="store_true", help="pool logs whose recipes differ (listed as mixed)")
     a = p.parse_args(argv)
-    both = sorted({os.path.realpath(x) for x in a.logs} & {os.path.realpath(x) for x in a.vs})
+    in_b = {os.path.realpath(x) for x in a.vs}
+    both = list(dict.fromkeys(x for x in a.logs if os.path.realpath(x) in in_b))  # (as the user named them)
     if both:  # (a glob for B that also matches A's logs: B - A would count those runs on both sides)
         print(f"compare_runs.py: error: {', '.join(both)} given in both A and --vs B; give each log to one series",
               file=sys.stderr)

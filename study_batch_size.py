@@ -907,7 +907,6 @@ def load_data(parser, args):
 def cmd_run(parser, args):
     settings = args.settings
     if args.dry_run:  # budgets are in epochs of the training images: CIFAR-10's unless --data names other data
-        print(study_header(args), flush=True)
         data = load_data(parser, args) if args.data else None
     else:
         import torch_backend as tb  # only here: plotting runs without torch (planning imports train_cifar)
@@ -923,10 +922,15 @@ def cmd_run(parser, args):
         settings = dict(settings, data=tb.dataset_fingerprint(data))
     n_train = ((len(data["train_y"]) if data else args.train_subset or core.CIFAR10_TRAIN_IMAGES)
                - settings["holdout"])
-    if n_train <= 0 or max(args.batch_sizes) > n_train:
+    if n_train <= 0:
+        parser.exit(2, f"{parser.prog}: error: a holdout of {settings['holdout']} leaves none of the "
+                       f"{n_train + settings['holdout']} training images ({args.data or 'the data'}) to train on; "
+                       "give a smaller --holdout\n")
+    if max(args.batch_sizes) > n_train:
         parser.exit(2, f"{parser.prog}: error: batch sizes up to {max(args.batch_sizes)} need more than the "
                        f"{n_train} training images left (holdout {settings['holdout']})\n")
     if args.dry_run:
+        print(study_header(args), flush=True)
         for spec in plan(settings, args.batch_sizes, args.trials, n_train, args.shard, args.trial_order):
             print(f"b={spec['batch_size']:<5} trial {spec['trial']}: {describe_params(spec['params'])}; budget "
                   f"{spec['budget_steps']} steps ({spec['budget_epochs']:.2f} epochs), eval every "

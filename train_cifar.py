@@ -1237,12 +1237,17 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
                 core.write_json_atomic(json_path, summarise(cfg, results, hardware, precision, flops_per_step, steps,
                                                             flops_per_run, commit, data_id))
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM under main(): say what is kept, then stop as asked
-        if progress:
+        if progress:  # (before the line below; the finally clears nothing then)
             progress.clear()
-        kept = (f"; {len(results)} finished run(s) are in {json_path}, every epoch's row in {tsv.path}"
-                if json_path and rows_logged else "")
-        resume = f"; the same command resumes from {checkpoint}'s last epoch" if checkpoint else ""
-        log(f"interrupted: run {len(results)} in flight is lost{kept}{resume}")
+        kept = ""
+        if json_path and rows_logged:
+            kept = (f"; {len(results)} finished run(s) are in {json_path}, " if results else "; ") + \
+                f"every epoch's row in {tsv.path}"
+        if checkpoint and os.path.exists(checkpoint):
+            log(f"interrupted: run {len(results)} stopped{kept}; the same command resumes it from {checkpoint}'s "
+                "last epoch")
+        else:
+            log(f"interrupted: run {len(results)} in flight is lost{kept}")
         raise
     finally:
         if progress:  # (an interrupted epoch leaves its line)

@@ -190,6 +190,10 @@ def main():
         p.error(f"--flops-only times nothing: {' and '.join(idle)} would have no effect")
     if a.profile and device.type != "cuda":
         p.error("--profile lists a step's GPU kernels: it needs a CUDA device")
+    if "compile" in overrides:  # (measure() sets it from --compile: a --set compile=true was silently dropped)
+        p.error("--set compile=: use --compile")
+    if "compile_mode" in overrides and not a.compile:  # (train_cifar's "--compile true" is this script's --compile)
+        p.error("--set compile_mode= has no effect without --compile")
     for preset in a.presets:
         try:
             # (with --flops-only nothing runs: FLOPs are counted in fp32 on the meta device)

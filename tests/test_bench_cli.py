@@ -111,7 +111,9 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="bench_ddp.py ru
      "this times plain data-parallel steps, without data selection"),
     # options without effect in what is timed (the compile mode of an eager step timed as if compiled)
     ("bench_presets.py", ["--flops-only", "--presets", "fast94", "--set", "compile_mode=reduce-overhead"],
-     "fast94: --set compile_mode= has no effect without --compile true"),
+     "--set compile_mode= has no effect without --compile"),
+    ("bench_presets.py", ["--flops-only", "--presets", "fast94", "--set", "compile=True"],
+     "--set compile=: use --compile"),  # (silently replaced by --compile's absence)
     ("bench_ddp.py", [*TINY_STEP, "--warmup", "0", "--set", "trust_coefficient=0.01"],
      "--set trust_coefficient= has no effect without --optimizer lars"),
     ("bench_presets.py", ["--flops-only", "--presets", "fast94", "--set", "preset=resnet9"],

@@ -558,9 +558,12 @@ def test_a_dry_run_plans_budgets_for_the_data_given(tmp_path, capsys):
     assert "b=50    trial 0:" in out and "budget 8 steps (2.00 epochs)" in out
     with pytest.raises(SystemExit) as e:
         sbs.main(common + ["--batch-sizes", "20", "400"])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and "batch sizes up to 400 need more than the 200 training images" in err
-    assert not (tmp_path / "out").exists()
+    captured = capsys.readouterr()
+    assert e.value.code == 2 and "batch sizes up to 400 need more than the 200 training images" in captured.err
+    assert not (tmp_path / "out").exists() and "study:" not in captured.out  # (no plan's header before the error)
+    with pytest.raises(SystemExit) as e:  # ("... more than the -4800 training images left")
+        sbs.main(common[:-2] + ["--eval", "holdout", "--holdout", "300", "--data", str(npz), "--batch-sizes", "20"])
+    assert e.value.code == 2 and "a holdout of 300 leaves none of the 200 training images" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, message", [

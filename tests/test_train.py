@@ -1176,20 +1176,31 @@ def test_an_evaluation_shows_progress_per_batch_of_test_images():
 @pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
 def test_an_interrupted_run_says_what_it_kept_without_a_traceback(tiny_npz, tmp_path, signum):
     """Ctrl-C printed a traceback from deep inside torch; kill (SIGTERM) stopped the process where it stood. Both
-    now stop as asked: one line naming the log that holds the finished run, exit 130 or 143."""
+    now stop as asked: one line naming the log that holds the finished run (SIGINT: in run 1 of 2) or the
+    checkpoint that resumes the run in flight (SIGTERM: a --checkpoint run), exit 130 or 143."""
     import signal
+    ckpt = tmp_path / "run.pt"
+    runs = ["--runs", "2"] if signum == "SIGINT" else ["--runs", "1", "--checkpoint", str(ckpt)]
     proc = subprocess.Popen([sys.executable, "-u", os.path.join(ROOT, "train_cifar.py"), "--data", tiny_npz,
                              "--log-dir", str(tmp_path), "--widths", "8", "8", "8", "--batch-size", "50", "--tta", "0",
-                             "--epochs", "20", "--runs", "2", "--precision", "fp32", "--device", "cpu"],
+                             "--epochs", "20", *runs, "--precision", "fp32", "--device", "cpu"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # (as in a terminal)
-    for line in proc.stdout:  # run 1's first row: run 0 has finished
-        if line.split()[:2] == ["1", "1"]:
+    wait_for = ["1", "1"] if signum == "SIGINT" else ["0", "2"]  # run 1's first row; run 0's second (checkpointed)
+    for line in proc.stdout:
+        if line.split()[:2] == wait_for:
             break
     proc.send_signal(getattr(signal, signum))
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == (130 if signum == "SIGINT" else 143), err
     assert "Traceback" not in err and err.strip() == "train_cifar.py: interrupted"
     (log,) = tmp_path.glob("*.json")
-    assert f"interrupted: run 1 in flight is lost; 1 finished run(s) are in {log}" in out
-    assert len(json.loads(log.read_text())["runs"]) == 1
+    tsv = log.with_suffix(".tsv")
+    if signum == "SIGINT":
+        assert (f"interrupted: run 1 in flight is lost; 1 finished run(s) are in {log}, every epoch's row in "
+                f"{tsv}") in out
+        assert len(json.loads(log.read_text())["runs"]) == 1
+    else:  # nothing finished: no "0 finished run(s)", but where the rows are and how to go on
+        assert (f"interrupted: run 0 stopped; every epoch's row in {tsv}; the same command resumes it from {ckpt}'s "
+                "last epoch") in out
+        assert json.loads(log.read_text())["runs"] == [] and ckpt.exists()
