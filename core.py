@@ -148,16 +148,23 @@ class Table:
 CIFAR10_TRAIN_IMAGES = 50000  # for checks made before the data is loaded (the loaded count is checked again)
 
 
+def flatten(d, prefix=""):
+    """(dotted key, value) of a nested dict's leaves: {"overrides": {"epochs": 2}} -> ("overrides.epochs", 2)."""
+    for k, v in d.items():
+        yield from flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else [(prefix + k, v)]
+
+
+def as_lists(v):
+    """Tuples (nested too) as lists, as they come back from JSON."""
+    return [as_lists(u) for u in v] if isinstance(v, (list, tuple)) else v
+
+
 def settings_difference(there, here):
     """The settings that differ, each with both values ("target 0.8 there, 0.15 here"); nested ones (--set
     options) by dotted key. The whole dicts hold ~20 keys and hid the one that mattered."""
     if not isinstance(there, dict):
         return "none recorded there"
-
-    def flat(d, prefix=""):
-        for k, v in d.items():
-            yield from flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(prefix + k, v)]
-    a, b = dict(flat(there)), dict(flat(here))
+    a, b = dict(flatten(there)), dict(flatten(here))
     show = lambda d, k: str(d[k]) if k in d else "unset"  # noqa: E731
     return "; ".join(f"{k} {show(a, k)} there, {show(b, k)} here" for k in sorted(a.keys() | b.keys())
                      if k not in a or k not in b or a[k] != b[k])
@@ -342,25 +349,22 @@ def check_run_values(log, path):
     """LogError naming the file and field for a value no run can have (an edited log): accuracies outside [0, 1]
     (None: no final accuracy) or NaN, negative or non-finite times and FLOPs, seeds that are not integers.
     Readers would otherwise print them as results ("accuracy 9500.00%", "-5.0 s", "seeds zero")."""
-    def number(v):
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
-
     def bad(where, value, should):
         raise LogError(f"{path}: {where} is {json.dumps(value)}, not {should}")
     flops = log.get("train_flops_per_run")
-    if flops is not None and not (number(flops) and math.isfinite(flops) and flops >= 0):
+    if flops is not None and not (is_number(flops) and flops >= 0):
         bad("train_flops_per_run", flops, "a finite count >= 0")
     for i, run in enumerate(log["runs"]):
         if not isinstance(run, dict) or "seed" not in run:
             raise LogError(f"{path} is not a train_cifar.py log: run {i} has no seed")
-        if not isinstance(run["seed"], int) or isinstance(run["seed"], bool):
+        if not is_whole(run["seed"]):
             bad(f"run {i}'s seed", run["seed"], "a whole number")
         acc = run.get("accuracy")
-        if acc is not None and not (number(acc) and 0 <= acc <= 1):  # (NaN fails the comparison)
+        if acc is not None and not (is_number(acc) and 0 <= acc <= 1):
             bad(f"run {i}'s accuracy", acc, "a fraction in [0, 1] or null")
         for key in ("total_time_s", "time_to_target_s"):
             t = run.get(key)
-            if t is not None and not (number(t) and math.isfinite(t) and t >= 0):
+            if t is not None and not (is_number(t) and t >= 0):
                 bad(f"run {i}'s {key}", t, "a finite time >= 0 or null")
         rows = run.get("epochs") or []
         if not isinstance(rows, list) or not all(isinstance(r, dict) and ROW_KEYS <= set(r) for r in rows):
@@ -369,9 +373,9 @@ def check_run_values(log, path):
         for row in rows:  # (a diverged run's training loss is NaN or infinite: logged as such)
             where = f"run {i}'s epoch {row.get('epoch')}"
             acc, t = row.get("test_acc"), row.get("total_time")
-            if acc is not None and not (number(acc) and (math.isnan(acc) or 0 <= acc <= 1)):
+            if acc is not None and not (is_number(acc) and 0 <= acc <= 1 or isinstance(acc, float) and math.isnan(acc)):
                 bad(f"{where} test_acc", acc, "a fraction in [0, 1], NaN or null (not evaluated)")
-            if t is not None and not (number(t) and math.isfinite(t) and t >= 0):
+            if t is not None and not (is_number(t) and t >= 0):
                 bad(f"{where} total_time", t, "a finite time >= 0")
 
 
@@ -405,10 +409,8 @@ def reproduction_report(runs, logged_runs):
 def differing_keys(dicts, ignore=()):
     """The keys, present in every dict and not ignored, whose values differ between them; numbers compare as
     numbers (10 and 10.0 are one setting) and tuples as lists (as they come back from JSON)."""
-    def plain(v):
-        return [plain(u) for u in v] if isinstance(v, (list, tuple)) else v
     shared = set.intersection(*(set(d) for d in dicts)) - set(ignore) if dicts else set()
-    return sorted(k for k in shared if any(plain(d[k]) != plain(dicts[0][k]) for d in dicts))
+    return sorted(k for k in shared if any(as_lists(d[k]) != as_lists(dicts[0][k]) for d in dicts))
 
 
 def read_tsv(path):

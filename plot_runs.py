@@ -211,8 +211,7 @@ def legend_below(fig, handles, labels, width_in):
 def point_label(p):
     """A recipe's mean ± std over its n runs; no ± for one run, whose spread is unknown, not 0."""
     tag = f" [{p['tag']}]" if p["tag"] else ""
-    spread = f" ± {p['std']:.2f}" if p["n"] > 1 else ""
-    return f"{p['preset']}{tag}: {p['mean']:.2f}{spread}% (n={p['n']})"
+    return f"{p['preset']}{tag}: {core.format_mean_std(p['mean'], p['std'], p['n'], 2, unit='%')} (n={p['n']})"
 
 
 def plot_flops(points, out, published=PUBLISHED_RECORDS):

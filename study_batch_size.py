@@ -781,10 +781,6 @@ def describe_settings(settings):
                      + [f"{k}={cfg[k]}" for k in given])
 
 
-def list_form(v):
-    return [list_form(u) for u in v] if isinstance(v, (list, tuple)) else v
-
-
 def study_header(args):
     return (f"study: {args.workload} ({describe_settings(args.settings)}), {args.optimizer} "
             f"({OPTIMIZERS[args.optimizer].about}), batch sizes {' '.join(map(str, args.batch_sizes))}, "
@@ -874,8 +870,7 @@ def parse_args(argv):
             source = (f"--train-subset {args.train_subset}" if args.train_subset else
                       f"CIFAR-10's {core.CIFAR10_TRAIN_IMAGES}")
             if n_train < 1:  # ("-4900 training images ... are too few" said it the hard way)
-                raise StudyError(f"a holdout of {holdout} leaves none of the {n_train + holdout} training images "
-                                 f"({source}) to train on; give a smaller --holdout")
+                raise StudyError(holdout_leaves_none(holdout, n_train + holdout, source))
             if n_train < max(args.batch_sizes):
                 held = f" less a holdout of {holdout}" if holdout else ""
                 raise StudyError(f"{n_train} training images ({source}{held}) are too few for batch sizes up to "
@@ -891,6 +886,11 @@ def parse_args(argv):
             p.error(str(e))
         args.out = args.out or os.path.join("logs", f"batch-size-{args.workload}-{args.optimizer}")
     return p, args
+
+
+def holdout_leaves_none(holdout, n_images, source):
+    return (f"a holdout of {holdout} leaves none of the {n_images} training images ({source}) to train on; give a "
+            "smaller --holdout")
 
 
 def load_data(parser, args):
@@ -923,9 +923,8 @@ def cmd_run(parser, args):
     n_train = ((len(data["train_y"]) if data else args.train_subset or core.CIFAR10_TRAIN_IMAGES)
                - settings["holdout"])
     if n_train <= 0:
-        parser.exit(2, f"{parser.prog}: error: a holdout of {settings['holdout']} leaves none of the "
-                       f"{n_train + settings['holdout']} training images ({args.data or 'the data'}) to train on; "
-                       "give a smaller --holdout\n")
+        none_left = holdout_leaves_none(settings["holdout"], n_train + settings["holdout"], args.data or "the data")
+        parser.exit(2, f"{parser.prog}: error: {none_left}\n")
     if max(args.batch_sizes) > n_train:
         parser.exit(2, f"{parser.prog}: error: batch sizes up to {max(args.batch_sizes)} need more than the "
                        f"{n_train} training images left (holdout {settings['holdout']})\n")
@@ -979,21 +978,18 @@ def cmd_run(parser, args):
 def distinguish(groups):
     """Curves sharing a label ("cpu/nesterov" of two targets) are told apart in place by the settings that differ
     among them (key=value), or by their folders where only the data or too many settings differ."""
-    def flat(d, prefix=""):
-        for k, v in d.items():
-            yield from flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(prefix + k, v)]
     by_label = collections.defaultdict(list)
     for g in groups:
         by_label[g[1]].append(g)
     for same in by_label.values():
         if len(same) < 2:
             continue
-        flats = [dict(flat(g[2])) for g in same]
+        flats = [dict(core.flatten(g[2])) for g in same]
         keys = sorted({k for f in flats for k in f if any(f.get(k) != o.get(k) for o in flats)})
         shown = [k for k in keys if not k.startswith("data.")]
         for g, f in zip(same, flats):
             if shown and len(shown) <= 3 and len(shown) == len(keys):
-                g[1] += " " + ", ".join(f"{k}={list_form(f.get(k))}" for k in shown)
+                g[1] += " " + ", ".join(f"{k}={core.as_lists(f.get(k))}" for k in shown)
             else:  # the data's checksums, or a long list of keys, would not make a readable label
                 g[1] += " (" + " + ".join(g[0]) + ")"
 

@@ -1300,12 +1300,9 @@ def config_from_log(path):
     seeds included. A log older than some of today's options gets COMMON's defaults for them (the behaviour
     they were added with) and names them in predated; one with an option today's code lacks cannot be rerun
     here (ValueError naming its commit)."""
-    log = core.read_run_log(path)
-    runs_ok = all(isinstance(r, dict) and isinstance(r.get("seed"), int) and isinstance(r.get("epochs", []), list)
-                  and all(isinstance(e, dict) and {"train_loss", "test_acc"} <= set(e) for e in r.get("epochs", []))
-                  for r in log["runs"])
-    if not isinstance(log.get("config") or {}, dict) or not runs_ok:  # (else a traceback after the rerun trained)
-        raise ValueError(f"{path}: not a train_cifar.py log (a config, and runs with a seed and epoch rows)")
+    log = core.read_run_log(path)  # (its runs checked there: each a seed, and epoch rows)
+    if not isinstance(log.get("config") or {}, dict):  # (else a traceback after the rerun trained)
+        raise ValueError(f"{path}: not a train_cifar.py log (its config is no object)")
     fingerprint = log.get("data_fingerprint")  # (none in logs before 2026-12-05; an edited one compared nothing)
     if fingerprint is not None and not (
             isinstance(fingerprint, dict) and set(fingerprint) == {"train_x", "train_y", "test_x", "test_y"}
