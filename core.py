@@ -225,11 +225,36 @@ class Progress:
             self.width = 0
 
 
+def json_safe(obj):
+    """obj with every NaN or infinity (a diverged loss, the mean of no runs) as None. JSON has neither: Python
+    writes the tokens NaN and Infinity, which strict readers (jq 1.6, JavaScript, most other languages) refuse."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def to_json(obj, indent=None):
+    """Strict JSON text (RFC 8259): non-finite numbers as null (json_safe)."""
+    return json.dumps(json_safe(obj), indent=indent, allow_nan=False)
+
+
+def append_jsonl(path, record):
+    """One write of one strict-JSON line, flushed and fsynced: a crash loses at most the record in flight."""
+    with open(path, "a") as f:
+        f.write(to_json(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def write_json_atomic(path, obj):
-    """Write via a temporary file and rename, so a crash never leaves a half-written file."""
+    """Write strict JSON (to_json) via a temporary file and rename, so a crash never leaves a half-written file."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, allow_nan=True)
+        f.write(to_json(obj, indent=2))
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
@@ -325,8 +350,30 @@ def read_run_log(path):
         raise LogError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); is the file truncated?") from None
     if not isinstance(log, dict) or not isinstance(log.get("runs"), list) or "preset" not in log:
         raise LogError(f"{path} is not a train_cifar.py log (no preset and runs)")
+    nulls_as_nan(log)
     check_run_values(log, path)
     return log
+
+
+# Where train() has NaN (a mean of no runs; a diverged loss; an epoch not evaluated), its log has null (json_safe)
+NAN_SUMMARY_KEYS = ("accuracy_mean", "accuracy_std", "total_time_mean_s", "total_time_std_s",
+                    "time_to_target_mean_s", "time_to_target_std_s")
+NAN_ROW_KEYS = ("train_loss", "train_acc", "test_acc")  # of a run's epoch rows and step-level evals
+
+
+def nulls_as_nan(log):
+    """Read those nulls back as NaN, in place, so a log's values are train()'s (a run's null accuracy or time to
+    target stays None: no final evaluation, target not reached). Parts of the wrong type are left to the checks."""
+    def fill(d, keys):
+        for k in keys:
+            if isinstance(d, dict) and k in d and d[k] is None:
+                d[k] = math.nan
+    fill(log, NAN_SUMMARY_KEYS)
+    for run in log["runs"]:
+        for part in ("epochs", "evals"):
+            rows = run.get(part) if isinstance(run, dict) else None
+            for row in rows if isinstance(rows, list) else []:
+                fill(row, NAN_ROW_KEYS)
 
 
 def distinct_logs(paths):

@@ -131,7 +131,7 @@ def curves(summary, x="epoch", tag=""):
         if not rows:
             continue
         xs = [r["epoch"] if x == "epoch" else r["total_time"] for r in rows]
-        acc = [r["test_acc"] if r["test_acc"] is not None else math.nan for r in rows]
+        acc = [r["test_acc"] for r in rows]  # (NaN where not evaluated: core.read_run_log reads null as NaN)
         label = f"{summary['preset']}{f' [{tag}]' if tag else ''} seed {run['seed']}"
         if run.get("accuracy") is not None:
             label += f": {100 * run['accuracy']:.2f}%"

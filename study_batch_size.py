@@ -335,13 +335,6 @@ def read_trials(path, repair=False, warn=lambda m: print(m, file=sys.stderr)):
     return records
 
 
-def append_trial(path, rec):
-    """One write of one line, flushed and fsynced: a crash loses at most the trial in flight."""
-    with open(path, "a") as f:
-        f.write(json.dumps(rec, allow_nan=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
 
 def describe_params(p):
     bits = [f"lr_eff {p['lr_eff']:.3g}"] + ([f"m {p['momentum']:.3f}"] if p["momentum"] else [])
@@ -405,7 +398,7 @@ def run_study(specs, trial_fn, path, settings, log=print, others=()):
     t0, walls = time.perf_counter(), collections.defaultdict(list)
     for i, spec in enumerate(todo, 1):
         rec = dict(trial_fn(spec), settings=settings)
-        append_trial(path, rec)
+        core.append_jsonl(path, rec)  # a crash loses at most the trial in flight
         records.append(rec)
         walls[spec["batch_size"]].append(rec.get("wall_s", 0.0))
         everything = [w for ws in walls.values() for w in ws]

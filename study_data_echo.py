@@ -168,12 +168,6 @@ def read_results(path, repair=False, warn=lambda m: print(m, file=sys.stderr)):
     return records
 
 
-def append_result(path, rec):
-    with open(path, "a") as f:
-        f.write(json.dumps(rec) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
 
 def plan(modes, factors, seeds):
     """(mode, factor, seed) in the order they run: all settings of one seed before the next seed."""
@@ -552,7 +546,7 @@ def main(argv=None):
         with core.sigterm_as_interrupt():
             for i, (mode, factor, seed) in enumerate(todo, 1):
                 rec = one_run(args, workload, data, device, mode, factor, seed, log)
-                append_result(results_path, rec)
+                core.append_jsonl(results_path, rec)
                 walls.append(rec["wall_s"])
                 eta = sum(walls) / len(walls) * (len(todo) - i)
                 if rec["reached"]:

@@ -98,8 +98,7 @@ def main():
                        img_per_s=rate)
             if a.out:
                 os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-                with open(a.out, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
+                core.append_jsonl(a.out, rec)
     if a.out:
         print(f"appended to {a.out}")
 

@@ -9,7 +9,6 @@ Each process trains on global_batch / N images a step, so images/s compare direc
 OMP_NUM_THREADS=1 per process unless it is set; the threads each process used are logged. Rank 0 appends its
 result to logs/bench_ddp.jsonl (one line per invocation: world size, threads, hardware, torch, commit)."""
 import argparse
-import json
 import os
 import sys
 import time
@@ -102,8 +101,7 @@ def main():
               f"{precision}: {rate} img/s on {rec['hardware']}")
         if a.out:
             os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-            with open(a.out, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+            core.append_jsonl(a.out, rec)
     if world > 1:
         torch.distributed.destroy_process_group()
 

@@ -1,3 +1,4 @@
+import glob
 import io
 import json
 import math
@@ -148,6 +149,56 @@ def test_read_run_log_names_the_file_and_what_is_wrong(tmp_path, content, messag
     assert str(path) in str(e.value)
     path.write_text('{"preset": "fast94", "runs": [], "config": {}}')
     assert core.read_run_log(str(path))["preset"] == "fast94"
+
+
+def strict_json(text):
+    """Parse as RFC 8259 JSON: Python's own NaN, Infinity and -Infinity tokens are refused."""
+    def refuse(token):
+        raise ValueError(f"{token} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_logs_are_strict_json_and_read_back_as_train_gives_them(tmp_path):
+    """NaN and infinities are written as null (jq 1.6 and JavaScript refuse Python's tokens) and read back as
+    NaN where train() has NaN; a run's null accuracy and time to target stay None (nothing to report)."""
+    inf, nan = float("inf"), float("nan")
+    row = dict(epoch=1, lr=0.1, train_loss=inf, train_acc=nan, test_acc=nan, total_time=3.0)
+    log = dict(preset="fast94", config={"lr_values": (0.0, 1.0)}, accuracy_mean=nan, accuracy_std=nan,
+               time_to_target_mean_s=nan, runs=[dict(seed=0, accuracy=None, time_to_target_s=None,
+                                                    epochs=[row, dict(row, epoch=2, train_loss=-inf)],
+                                                    evals=[dict(step=5, test_acc=0.5, train_loss=nan)])])
+    path = tmp_path / "log.json"
+    core.write_json_atomic(str(path), log)
+    text = path.read_text()
+    saved = strict_json(text)
+    assert saved["accuracy_mean"] is None and saved["runs"][0]["epochs"][1]["train_loss"] is None
+    assert saved["config"]["lr_values"] == [0.0, 1.0] and saved["runs"][0]["evals"][0]["test_acc"] == 0.5
+    back = core.read_run_log(str(path))
+    assert all(math.isnan(back[k]) for k in ("accuracy_mean", "accuracy_std", "time_to_target_mean_s"))
+    run = back["runs"][0]
+    assert run["accuracy"] is None and run["time_to_target_s"] is None
+    assert all(math.isnan(r[k]) for r in run["epochs"] for k in ("train_loss", "train_acc", "test_acc"))
+    assert math.isnan(run["evals"][0]["train_loss"]) and run["epochs"][0]["total_time"] == 3.0
+    jsonl = tmp_path / "records.jsonl"
+    core.append_jsonl(str(jsonl), dict(a=nan, b=[1.5, -inf]))
+    core.append_jsonl(str(jsonl), dict(a=2))
+    assert [strict_json(line) for line in jsonl.read_text().splitlines()] == [dict(a=None, b=[1.5, None]), dict(a=2)]
+
+
+def test_every_committed_log_is_strict_json():
+    """What logs/ holds must open in any JSON reader, not only Python's."""
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "logs")
+    paths = glob.glob(os.path.join(root, "**", "*.json"), recursive=True)
+    lines = glob.glob(os.path.join(root, "**", "*.jsonl"), recursive=True)
+    assert len(paths) > 50 and lines
+    for path in paths:
+        with open(path) as f:
+            strict_json(f.read())
+    for path in lines:
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    strict_json(line)
 
 
 def test_differing_keys_compares_numbers_as_numbers_and_skips_keys_not_everywhere():

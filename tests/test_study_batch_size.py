@@ -6,6 +6,7 @@ import os
 import numpy as np
 import pytest
 
+import core
 import study_batch_size as sbs
 from conftest import synthetic
 
@@ -493,9 +494,9 @@ def test_a_trial_found_in_two_files_counts_once(tmp_path):
     rec = dict(fake_trial(sbs.make_trial(settings, 16, 0, 45000)), reached=True, steps_to_target=5, settings=settings)
     for name, recs in (("trials.jsonl", [rec]), ("trials-shard0of2.jsonl", [rec, dict(rec, trial=1)]),
                        ("trials-shard1of2.jsonl", [dict(rec, steps_to_target=7)])):
-        sbs.append_trial(str(tmp_path / name), recs[0])
+        core.append_jsonl(str(tmp_path / name), recs[0])
         for r in recs[1:]:
-            sbs.append_trial(str(tmp_path / name), r)
+            core.append_jsonl(str(tmp_path / name), r)
     warnings = []
     records = sbs.read_folder(str(tmp_path), warn=warnings.append)
     assert [(r["trial"], r["steps_to_target"]) for r in records] == [(0, 5), (1, 5)]
@@ -510,7 +511,7 @@ def test_plot_joins_folders_of_one_study_into_one_curve(tmp_path, capsys):
     more_argv = [more if a == str(out) else a for a in argv]
     more_argv[more_argv.index("25"):more_argv.index("50") + 1] = ["100"]
     sbs.main([str(a) for a in more_argv])
-    sbs.append_trial(str(more / "trials.jsonl"), sbs.read_trials(str(out / "trials.jsonl"))[0])
+    core.append_jsonl(str(more / "trials.jsonl"), sbs.read_trials(str(out / "trials.jsonl"))[0])
     capsys.readouterr()
     sbs.main(["plot", str(out), str(more), "--out", str(tmp_path / "plots")])
     printed = capsys.readouterr().out

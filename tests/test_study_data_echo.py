@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 
+import core
 import study_data_echo as study
 from conftest import synthetic
 
@@ -22,7 +23,7 @@ def test_plan_runs_the_baseline_once_per_seed():
 def test_results_survive_a_line_cut_short(tmp_path, capsys):
     path = str(tmp_path / "results.jsonl")
     rec = dict(workload="cpu", pipeline="device", mode="batch", factor=2.0, seed=0, reached=False)
-    study.append_result(path, rec)
+    core.append_jsonl(path, rec)
     with open(path, "a") as f:
         f.write('{"workload": "cpu", "pipel')  # a crash in the middle of a write
     assert study.read_results(path) == [rec]
@@ -197,7 +198,7 @@ def test_a_folder_of_other_settings_is_refused_naming_what_differs(tmp_path, cap
     argv = ["--data", "/nonexistent.npz", "--out", out, "--set", "epochs=2"]
     _, stored = study.parse_args(argv + ["--target", "0.8", "--set", "precision=fp32"])
     os.makedirs(out)
-    study.append_result(os.path.join(out, "results.jsonl"), dict(rec("none", 1.0, 0, 100, 1.0), workload="cpu",
+    core.append_jsonl(os.path.join(out, "results.jsonl"), dict(rec("none", 1.0, 0, 100, 1.0), workload="cpu",
                                                                  pipeline="device", settings=stored.settings))
     with pytest.raises(SystemExit) as e:
         study.main(argv + ["--target", "0.15"])

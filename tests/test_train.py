@@ -2,6 +2,7 @@ import collections
 import datetime
 import io
 import json
+import math
 import os
 import re
 import subprocess
@@ -187,8 +188,10 @@ def test_diverged_run_exits_nonzero_and_keeps_its_logs(tiny_npz, tmp_path):
     r = cli("--data", tiny_npz, "--log-dir", str(logs), "--preset", "resnet9", "--widths", "8", "8", "8", "8",
             "--batch-size", "50", "--epochs", "3", "--precision", "fp32", "--lr-values", "1e30", "1e30", "1e30")
     assert r.returncode == 1 and "diverged" in r.stderr, r.stderr
-    summary = json.loads(next(logs.glob("*.json")).read_text())
+    path = next(logs.glob("*.json"))
+    summary = json.loads(path.read_text(), parse_constant=lambda token: pytest.fail(f"{token} is not JSON"))
     assert summary["runs"][0]["diverged"] is True and summary["runs"][0]["accuracy"] is None
+    assert summary["accuracy_mean"] is None and math.isnan(core.read_run_log(str(path))["accuracy_mean"])
     rows = core.read_tsv(str(next(logs.glob("*.tsv"))))
     assert rows and rows[-1]["train_loss"] in ("nan", "inf")
 
