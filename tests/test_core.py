@@ -370,3 +370,42 @@ def test_exit_with_reads_the_sigterm_flag_once():
             core.exit_with(interrupted)
         codes.append(e.value.code)
     assert codes == [143, 130]
+
+
+def parsed_lines(text):
+    """(line number, value) of each line that parses as JSON, one line at a time: the reference for read_jsonl."""
+    out = []
+    for n, line in enumerate(text.split("\n"), 1):
+        try:
+            out.append((n, json.loads(line)))
+        except ValueError:
+            pass
+    return out
+
+
+def test_read_jsonl_cuts_off_a_torn_last_line_and_nothing_else(tmp_path):
+    """Repair cuts only a torn last line; a torn line before the last (appended onto before repair existed) is
+    skipped and left, and a complete last line after it, without its newline, gets one: not cut as if torn."""
+    path = tmp_path / "r.jsonl"
+    for text, repaired in (('{"a": 1}\n{"a": 2, "b\n{"a": 3}', '{"a": 1}\n{"a": 2, "b\n{"a": 3}\n'),
+                           ('{"a": 1}\n{"a": 3}\n{"a": 2, "b', '{"a": 1}\n{"a": 3}\n'),
+                           ('{"a": 1}\n{"a": 2, "b\n', '{"a": 1}\n{"a": 2, "b\n')):
+        path.write_text(text)
+        warnings = []
+        assert core.read_jsonl(str(path), repair=True, warn=warnings.append) == parsed_lines(text)
+        assert path.read_text() == repaired and len(warnings) == 1
+        assert core.read_jsonl(str(path)) == parsed_lines(repaired) == parsed_lines(text)
+
+
+def test_distinct_logs_reads_a_link_to_a_log_as_that_log(tmp_path):
+    """A link to a log (or a path spelt otherwise) names the same file: read twice, its runs would count twice.
+    The reference: the files' inodes."""
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text("{}")
+    b.write_text("{}")
+    (tmp_path / "latest.json").symlink_to(a)
+    given = [str(a), str(b), str(tmp_path / "latest.json"), str(tmp_path / "." / "b.json")]
+    inodes = [(os.stat(p).st_dev, os.stat(p).st_ino) for p in given]
+    paths, repeated = core.distinct_logs(given)
+    assert paths == [given[inodes.index(i)] for i in dict.fromkeys(inodes)] == [str(a), str(b)]
+    assert repeated == [f"{str(a)} (given twice)", f"{str(b)} (given twice)"]

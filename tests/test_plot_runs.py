@@ -4,6 +4,7 @@ import json
 import math
 import os
 import re
+import statistics
 
 import pytest
 
@@ -381,3 +382,34 @@ def test_impossible_values_in_a_log_exit_2_naming_the_file_and_field(logged, tmp
     path = copy_log(edited, tmp_path / "edited.json")
     assert plot_runs.main([path, "--out", str(tmp_path / "x.png")]) == 2
     assert "run 0's epoch 3 test_acc is 2.0, not a fraction in [0, 1]" in capsys.readouterr().err
+
+
+def test_recipe_points_leave_out_runs_that_did_not_finish(logged):
+    """A run cut short by --stop-after-epochs has an accuracy (its last evaluation) but is no finished run of the
+    recipe: as in compare_runs.py, its point's n, mean and std are over the finished runs alone."""
+    summary = core.read_run_log(logged[0])
+    cut = json.loads(json.dumps(summary))
+    cut["config"].update(seed=2, runs=2)
+    cut["runs"] = [dict(summary["runs"][0], seed=2, accuracy=0.2, stopped_after_epoch=1),
+                   dict(summary["runs"][0], seed=3, accuracy=0.3)]
+    (point,) = plot_runs.recipe_points([summary, cut])
+    accs = [100 * r["accuracy"] for r in summary["runs"]] + [30.0]
+    assert point["n"] == 3 and point["mean"] == pytest.approx(statistics.mean(accs))
+    assert point["std"] == pytest.approx(statistics.stdev(accs))
+
+
+def test_each_panel_draws_its_own_series(logged, tmp_path, monkeypatch):
+    """Accuracy panel: each run's evaluated test accuracies (%); loss panel: its training losses, epoch by epoch,
+    as the log's rows have them."""
+    summary = core.read_run_log(logged[0])
+    fig = drawn_figure(monkeypatch, lambda: plot_runs.plot([summary], str(tmp_path / "runs.png")))
+    acc_lines, loss_lines = ([line for line in a.get_lines() if line.get_label().startswith("resnet9 seed")]
+                             for a in fig.axes[:2])  # (not the target's line)
+    assert len(acc_lines) == len(loss_lines) == len(summary["runs"])
+    for run, acc, loss in zip(summary["runs"], acc_lines, loss_lines):
+        rows = run["epochs"]
+        evaluated = [r for r in rows if not math.isnan(r["test_acc"])]
+        assert list(acc.get_xdata()) == [r["epoch"] for r in evaluated]
+        assert list(acc.get_ydata()) == pytest.approx([100 * r["test_acc"] for r in evaluated])
+        assert list(loss.get_xdata()) == [r["epoch"] for r in rows]
+        assert list(loss.get_ydata()) == pytest.approx([r["train_loss"] for r in rows])

@@ -4,6 +4,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 
 import numpy as np
 import pytest
@@ -43,6 +44,17 @@ def test_ideal_speedup_bounds():
     assert study.ideal_speedup(2, 3.0, overlap=True) == 2.0  # min(e, R)
     assert study.ideal_speedup(4, 3.0, overlap=True) == 3.0
     assert study.ideal_speedup(2, 1.0, overlap=False) == pytest.approx(2 / 1.5)  # (R + 1) / (R / e + 1)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_ideal_speedup_from_the_times_of_a_step(overlap):
+    """From the times themselves: a step costs t_up + t_down one after the other (max of them overlapped), and an
+    echo factor e divides the upstream part only. At R = 1 dividing the wrong part gives the same number: R != 1."""
+    t_down = 0.02
+    for t_up in (0.005, 0.03, 0.06, 0.2):
+        for e in (1.5, 2.0, 4.0):
+            step = (lambda up: max(up, t_down)) if overlap else (lambda up: up + t_down)
+            assert study.ideal_speedup(e, t_up / t_down, overlap) == pytest.approx(step(t_up) / step(t_up / e))
 
 
 def rec(mode, factor, seed, fresh, time_s, reached=True):
@@ -90,6 +102,22 @@ def test_a_target_met_in_the_last_partial_epoch_counts_the_run_steps(monkeypatch
     total = math.ceil(2.5 * (200 // 50))
     assert r["reached"] and r["steps_to_target"] == total == 10
     assert r["epochs_to_target"] == pytest.approx(2.5) and r["examples_to_target"] == total * 50
+
+
+def test_fresh_examples_to_target_are_those_read_when_the_target_was_met(monkeypatch):
+    """Batch echo 2, target met at a step-interval evaluation (step 6 of 8): 6 steps of 50 are 300 examples, 150 of
+    them fresh, though the run's last epoch row had read 200 fresh by its end."""
+    run = dict(epoch_reached_target=None, step_reached_target=6, fresh_to_target=150, time_to_target_s=1.0,
+               accuracy=0.9, total_time_s=2.0, evals=[dict(step=6, fresh=150, test_acc=0.9)],
+               epochs=[dict(fresh=100, test_acc=0.5), dict(fresh=200, test_acc=0.95)])
+    monkeypatch.setattr(study.train_cifar, "train", lambda *a, **k: dict(runs=[run], hardware="stub",
+                                                                          precision="fp32", commit="stub"))
+    args = argparse.Namespace(workload="cpu", pipeline="device", target=None, loader_workers=None, budget="steps",
+                              echo_shuffle_buffer=0, settings={}, overrides=dict(batch_size=50, epochs=2))
+    r = study.one_run(args, study.WORKLOADS["cpu"], dict(train_y=np.zeros(200, np.int64)), "cpu", "batch", 2.0, 0,
+                      lambda *a: None)
+    assert r["reached"] and r["steps_to_target"] == 6 and r["examples_to_target"] == 6 * 50
+    assert r["fresh_to_target"] == 6 * 50 / 2 and r["epochs_to_target"] == pytest.approx(6 / (200 / 50))
 
 
 def test_tiny_study_writes_everything_and_resumes(tmp_path, capsys):
@@ -346,3 +374,46 @@ def test_a_cell_where_no_run_reached_the_target_shows_dashes_not_nan():
     assert batch == ["batch", "2", "0/2", "-", "-", "-", "-", "-", "-"]
     none = next(line for line in lines if line.split()[0] == "none").split()
     assert none[3:9] == ["1100", "±", "141", "11.0", "±", "1.4"] and none[-2:] == ["-", "-"]  # no R measured
+
+
+def test_a_resume_does_not_train_again_a_run_that_missed_the_target(tmp_path, capsys, monkeypatch):
+    """A run that missed the target (or diverged) is a finished run of the study: training it again on resume would
+    add a second run of its seed to the cell, and its n_reached would count it twice."""
+    def missed(args, workload, data, device, mode, factor, seed, log):
+        trained.append((mode, factor, seed))
+        rec = stub_run(args, workload, data, device, mode, factor, seed, log)
+        if mode != "none":
+            rec.update(reached=False, fresh_to_target=None, steps_to_target=None, time_to_target_s=None)
+        return rec
+    trained = []
+    monkeypatch.setattr(study, "one_run", missed)
+    argv = tiny_echo(tmp_path) + ["--no-r"]
+    study.main(argv)
+    assert trained == [("none", 1.0, 0), ("batch", 2.0, 0)]
+    capsys.readouterr()
+    study.main(argv)
+    assert trained == [("none", 1.0, 0), ("batch", 2.0, 0)] and "0 to go" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "out" / "summary.json").read_text())["rows"]
+    assert [(r["mode"], r["n"], r["n_reached"]) for r in rows] == [("none", 1, 1), ("batch", 1, 0)]
+
+
+def test_the_plot_draws_each_series_where_it_belongs(tmp_path, monkeypatch):
+    """Fresh examples: the baseline mean over e (echoed worth fresh) and flat (worth nothing), each mode's means
+    from the baseline on; wall-clock: each mode's baseline time / its time. Means by the statistics module."""
+    import matplotlib.pyplot as plt
+    records = [rec("none", 1.0, 0, 1000, 10.0), rec("none", 1.0, 1, 1200, 12.0), rec("batch", 2.0, 0, 600, 8.0),
+               rec("batch", 2.0, 1, 700, 6.0), rec("batch", 4.0, 0, 500, 10.0)]
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    study.plot(str(tmp_path), study.summarise(records, dict(R=3.0), overlap=True), "title")
+    ax, ax2 = figures[-1].axes
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    base, base_time = statistics.mean([1000, 1200]), statistics.mean([10.0, 12.0])
+    worth = lines["echoed data worth as much as fresh"]
+    assert list(worth.get_ydata()) == pytest.approx([base / e for e in worth.get_xdata()])
+    assert set(lines["echoed data worth nothing"].get_ydata()) == {base}
+    (batch,) = [c for c in ax.containers if c.get_label() == "batch"]
+    assert list(batch.lines[0].get_xdata()) == [1, 2, 4]
+    assert list(batch.lines[0].get_ydata()) == pytest.approx([base, statistics.mean([600, 700]), 500])
+    speedup = {line.get_label(): line for line in ax2.get_lines()}["batch"]
+    assert list(speedup.get_ydata()) == pytest.approx([1, base_time / statistics.mean([8.0, 6.0]), base_time / 10])
