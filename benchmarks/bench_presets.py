@@ -9,6 +9,7 @@ Times full training steps (augmentation, forward, backward, update; with data se
 candidates, and the proxy's own training steps) on random data of CIFAR-10's shape after a warm-up, so it needs
 no data set; mean ± std over repeats. img/s counts the images trained on. Writes logs/bench_presets-*.json."""
 import argparse
+import math
 import os
 import sys
 import time
@@ -55,24 +56,33 @@ def measure(preset, device, steps, repeats, compile=False, overrides=None, break
     flops_step, run_steps, flops_run = train_cifar.run_flops(cfg, model, opt, device, precision, N_TRAIN)
     aug = tb.draw_augmentation(N_TRAIN, pad, cfg["cutout"], cfg["flip"] != "none", gen, device)
     sync = tb.synchronizer(device)
-    proxy = train_cifar.Proxy(cfg, None, None, device, precision) if cfg["select_fraction"] < 1 else None
+    proxy = train_cifar.Proxy(cfg, None, None, device, precision) if train_cifar.uses_proxy(cfg) else None
+    # select_by loss: each candidate's loss when last trained on (inf: never yet), as a run keeps it
+    history = torch.full((N_TRAIN,), math.inf, device=device) if train_cifar.uses_loss_history(cfg) else None
     if proxy is not None and compile:  # as a run does: else the proxy's training compiles inside the timed steps
         proxy.warm_up(drawn, set(cfg["train_sizes"]) | {train_cifar.IMAGE_SIZE})  # (fast96: 55 ± 76 ms a step)
     proxy_calls = [0]  # over warm-up and repeats, so a proxy_every-th of the timed steps train it
     losses = []  # a fast step is worth nothing if it computes NaN (as compiled resnet18 did on a CPU)
 
     def batch(i, n, side):
+        """Images, labels and indices of batch i of n candidates; by loss history, the batch_size chosen of them
+        (before augmentation, as a run chooses)."""
         start = (i * n) % (N_TRAIN - n + 1)  # (+ 1: a batch of all N_TRAIN images starts at 0)
         idx = torch.arange(start, start + n, device=device)
-        x = tb.augment(x_all, idx, {k: v[start:start + n] for k, v in aug.items()}, cutout=cfg["cutout"])
-        return tb.resize_images(x, side), y_all[idx]
+        keep = history[idx].topk(bs, sorted=False).indices if history is not None else slice(None)
+        idx = idx[keep]
+        x = tb.augment(x_all, idx, {k: v[start:start + n][keep] for k, v in aug.items()}, cutout=cfg["cutout"])
+        return tb.resize_images(x, side), y_all[idx], idx
 
     def step(i, side):
-        x, y = batch(i, drawn, side)
+        x, y, idx = batch(i, drawn, side)
         if proxy is not None:  # scoring, and the proxy's own training step every proxy_every steps, as in a run
             proxy_calls[0] += 1
             x, y = proxy.select(x, y, bs, 1e-3, train=proxy_calls[0] % cfg["proxy_every"] == 0)
-        losses.append(train_cifar.train_step(cfg, step_fn, opt, x, y, precision, device)[1].detach())
+        out, loss = train_cifar.train_step(cfg, step_fn, opt, x, y, precision, device)
+        if history is not None:  # the run's bookkeeping: each trained example's loss, for its next choice
+            train_cifar.record_losses(history, idx, out, y, cfg["label_smoothing"], 1)
+        losses.append(loss.detach())
 
     # Progressive resizing: each image size is timed on its own and weighted by the run's steps at it.
     sizes = train_cifar.step_sizes(cfg, N_TRAIN)
@@ -89,7 +99,7 @@ def measure(preset, device, steps, repeats, compile=False, overrides=None, break
                 seconds_per_step_by_size={str(side): seconds[side] for side in seconds})
     if breakdown:  # each part of a full-size step alone, synchronised: what the step's time is made of
         side = sizes[-1]
-        x, y = batch(0, drawn, side)
+        x, y, _ = batch(0, drawn, side)
         parts = dict(batch=lambda i: batch(i, drawn, side),
                      forward_backward=lambda i: train_cifar.forward_backward(cfg, model, step_fn, x[:bs], y[:bs],
                                                                              precision, device),

@@ -120,6 +120,8 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="bench_ddp.py ru
      "fast94: preset is not an option to set"),
     ("bench_presets.py", ["--flops-only", "--presets", "fast94", "--breakdown", "--compile"],
      "--flops-only times nothing: --breakdown would have no effect"),
+    ("bench_presets.py", ["--flops-only", "--presets", "fast94", "--profile"],
+     "--flops-only times nothing: --profile would have no effect"),  # (on a GPU it was otherwise accepted)
     ("bench_presets.py", ["--presets", "fast94", "--device", "cpu", "--profile", *TINY_STEP],
      "--profile lists a step's GPU kernels: it needs a CUDA device"),
 ])

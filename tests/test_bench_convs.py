@@ -5,6 +5,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import torch_backend as tb
 import train_cifar
@@ -72,5 +73,46 @@ def test_bench_convs_totals_are_what_cpu_conv_matmul_picks_on_any_cpu(tmp_path, 
     assert log["seconds_per_step_as_run"] == log[as_run]
     assert all(r["run_takes_matmul"] == (r["matmul_mode_takes_matmul"] if auto == "matmul" else
                                          dict(fwd=False, dgrad=False, wgrad=False)) for r in log["results"])
+    for part in ("fwd", "dgrad", "wgrad"):  # each total adds, conv by conv, the kernel its mode runs (or none)
+        ran = [(r["matmul_seconds"] if r["matmul_mode_takes_matmul"][part] else r["seconds"])[part]
+               for r in log["results"]]
+        assert log["seconds_per_step_matmul_mode"][part] == pytest.approx(sum(t[0] for t in ran if t))
+        assert log["seconds_per_step"][part] == pytest.approx(sum(r["seconds"][part][0] for r in log["results"]
+                                                                  if r["seconds"][part]))
+    rows = {cells[0]: cells for cells in map(str.split, out.splitlines()) if cells and cells[0] in takes}
+    for r in log["results"]:  # the table's TF/s (to 4 decimals): the conv's FLOPs over each part's logged seconds
+        for column, part in ((4, "fwd"), (7, "dgrad"), (10, "wgrad")):
+            cell, seconds = rows[r["conv"]][column], r["seconds"][part]
+            assert cell == "-" if seconds is None else float(cell) == pytest.approx(r["flops"] / seconds[0] / 1e12,
+                                                                                    abs=1e-4)
     assert out.count("*") >= 4  # the matmul picks marked in the table
     assert log["cpu_conv_auto"] == auto and f"auto, the default, takes {auto} on this CPU" in out
+
+
+@pytest.mark.parametrize("matmul", [False, True])
+def test_each_timed_part_computes_what_it_is_named(monkeypatch, matmul):
+    """A time says nothing of what was timed: each part's result (here kept by a stand-in for the timer) must be
+    autograd's forward, input gradient and weight gradient of the conv, on the random input and output gradient
+    measure_conv draws (x, then the output's gradient like it, channels-last, from the seed set here)."""
+    cfg = train_cifar.make_config("fast94", precision="fp32", widths=(8, 16, 16), cpu_conv="matmul")
+    _, conv, shape, need_dgrad = bench_convs.conv_layers(train_cifar.build_model(cfg, CPU), CPU)[-1]
+    kept = []
+
+    def keep(step, *args, **kwargs):
+        kept.append(step(0))
+        return 1.0, 0.0
+    monkeypatch.setattr(bench_convs, "time_steps", keep)
+    torch.manual_seed(0)
+    bench_convs.measure_conv(conv, shape, need_dgrad, 2, torch.float32, CPU, 1, matmul=matmul)
+    torch.manual_seed(0)
+    x = torch.randn(2, *shape).to(memory_format=torch.channels_last).requires_grad_()  # a run's layout
+    w = conv.weight.detach().clone().requires_grad_()
+    y = F.conv2d(x, w, stride=conv.stride, padding=conv.padding)
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    fwd, dgrad, wgrad = kept
+    if not matmul:  # aten.convolution_backward gives (input grad, weight grad, bias grad), None where not asked
+        assert dgrad[1] is None and wgrad[0] is None
+        dgrad, wgrad = dgrad[0], wgrad[1]
+    for got, want in ((fwd, y), (dgrad, x.grad), (wgrad, w.grad)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

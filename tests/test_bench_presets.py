@@ -1,7 +1,10 @@
 """benchmarks/bench_presets.py's timing of a preset's steps, on a tiny net."""
 import os
+import statistics
 import sys
+import types
 
+import pytest
 import torch
 
 from conftest import ROOT
@@ -33,3 +36,136 @@ def test_the_benchmarks_flops_are_the_runs(monkeypatch):
         run = train_cifar.train(preset, data=synthetic(200, 50), log=lambda *a: None, progress=False, tta=0,
                                 **overrides)
         assert timed["train_flops_per_run"] == counted["train_flops_per_run"] == run["train_flops_per_run"] > 0
+
+
+def test_time_steps_times_each_repeats_own_steps_after_the_warm_up(monkeypatch):
+    """On a fake device whose queued work runs only when synchronised, and a fake clock: the warm-up (100 s a
+    call, as a compile) stays out of the timing, each repeat waits for its own steps, and a step's seconds are
+    its repeat's over its steps (here the n-th timed call costs n s: repeats of 1+2+3 and 4+5+6 s)."""
+    clock, queued, calls = [0.0], [0.0], []
+
+    def step(i):
+        calls.append(i)
+        queued[0] += 100.0 if len(calls) <= 2 else float(len(calls) - 2)
+
+    def sync():
+        clock[0] += queued[0]
+        queued[0] = 0.0
+    monkeypatch.setattr(bench_presets, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    mean, std = bench_presets.time_steps(step, sync, steps=3, repeats=2, warm_up=2)
+    assert calls == [0, 1] + [0, 1, 2] * 2
+    assert (mean, std) == pytest.approx((3.5, statistics.stdev([6 / 3, 15 / 3])))
+
+
+def test_matmul_peak_is_the_rate_of_the_matmuls_it_times(monkeypatch):
+    """On a fake machine that does 1 TFLOP/s (its clock advances by the FLOPs PyTorch counts since the last
+    synchronisation), the measured peak must be 1 TFLOP/s whatever number of matmuls a repeat times."""
+    from torch.utils.flop_counter import FlopCounterMode
+    counter, clock, done = FlopCounterMode(display=False), [0.0], [0]
+
+    def sync():
+        clock[0] += (counter.get_total_flops() - done[0]) / 1e12
+        done[0] = counter.get_total_flops()
+    monkeypatch.setattr(bench_presets, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(bench_presets.tb, "synchronizer", lambda device: sync)
+    with counter:
+        mean, std = bench_presets.matmul_peak(torch.device("cpu"), "fp32", size=64, repeats=2)
+    assert counter.get_total_flops() > 0 and (mean, std) == pytest.approx((1.0, 0.0))
+
+
+def test_rates_are_the_runs_trained_images_and_flops_over_its_time_at_each_size(monkeypatch):
+    """img/s counts the images trained on, not the candidates data selection draws, and a run's time weights each
+    image size by its steps. By hand: 400 images in 50 candidates a step are 8 steps an epoch; epoch 1 at 24 px,
+    epochs 2-3 at 32 px: 8 steps at 24 and 16 at 32, training 24 x 25 = 600 images."""
+    monkeypatch.setattr(bench_presets, "N_TRAIN", 400)
+    overrides = dict(widths=(8, 16, 16), proxy_widths=(4, 8, 8), batch_size=25, precision="fp32", epochs=3,
+                     train_sizes=(24, 32))
+    r = bench_presets.measure("fast96", torch.device("cpu"), steps=1, repeats=2, overrides=overrides)
+    assert r["candidates_per_step"] == 50 and r["losses_finite"]
+    at = {int(side): mean_std for side, mean_std in r["seconds_per_step_by_size"].items()}
+    seconds, spread = 8 * at[24][0] + 16 * at[32][0], 8 * at[24][1] + 16 * at[32][1]
+    assert r["est_train_time_s"] == pytest.approx(seconds)
+    assert r["img_per_s"][0] == pytest.approx(600 / seconds)
+    assert r["tflop_per_s"][0] == pytest.approx(r["train_flops_per_run"] / seconds / 1e12)
+    # first-order error propagation: a rate's relative spread is its time's
+    assert r["img_per_s"][1] / r["img_per_s"][0] == pytest.approx(spread / seconds)
+    assert r["tflop_per_s"][1] / r["tflop_per_s"][0] == pytest.approx(spread / seconds)
+
+
+def test_the_share_of_peak_is_the_achieved_rate_over_the_peaks_mean(monkeypatch, capsys, tmp_path):
+    """The table's % peak column against the logged rates, with a stand-in peak of 1 MFLOP/s ± 0.5 (the
+    tiny net's rate is thousands of times that)."""
+    import json
+    monkeypatch.setattr(bench_presets, "N_TRAIN", 64)
+    monkeypatch.setattr(bench_presets, "matmul_peak", lambda device, precision: (1e-6, 5e-7))
+    monkeypatch.setattr(sys, "argv", ["bench_presets.py", "--presets", "fast94", "--steps", "1", "--repeats", "1",
+                                      "--device", "cpu", "--log-dir", str(tmp_path), "--set=widths=(8,8,8)",
+                                      "--set=batch_size=64", "--set=precision=fp32", "--set=epochs=1"])
+    bench_presets.main()
+    (row,) = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["fast94"]]
+    (r,) = json.load(open(next(tmp_path.iterdir())))["results"]
+    assert row[6] == f"{100 * r['tflop_per_s'][0] / 1e-6:.0f}%"
+
+
+def test_count_only_splits_a_step_by_the_runs_sizes_and_the_proxys_trainings(monkeypatch):
+    """The net's FLOPs per step are those at the last image size (all of a step without data selection, which
+    scores nothing), and the proxy trains at steps 0, proxy_every, ... at each step's size. By hand: 250 images in
+    50 candidates a step are 5 steps an epoch, 10 in 2 epochs; the proxy trains at steps 0, 4 (24 px) and 8
+    (32 px); a run at one size trains it 3 times, which gives each size's proxy training."""
+    monkeypatch.setattr(bench_presets, "N_TRAIN", 250)
+    tiny = dict(widths=(8, 16, 16), batch_size=25, epochs=2, train_sizes=(24, 32))
+    plain = bench_presets.count_only("fast94", dict(tiny, batch_size=50))
+    assert plain["scoring_flops_per_step"] == 0 and plain["net_flops_per_step"] == plain["flops_per_step"] > 0
+    selecting = dict(tiny, proxy_widths=(4, 8, 8), proxy_every=4)
+    both = bench_presets.count_only("fast96", selecting)
+    one = {side: bench_presets.count_only("fast96", dict(selecting, train_sizes=(side,)))["proxy_train_flops"] / 3
+           for side in (24, 32)}
+    assert both["train_steps"] == 10 and both["proxy_train_flops"] == 2 * one[24] + one[32] and one[24] < one[32]
+
+
+def test_the_flops_table_gives_scoring_as_a_share_of_the_nets_step(monkeypatch, capsys, tmp_path):
+    """--flops-only's scoring column: the candidates' scoring over the net's own FLOPs per step, as logged."""
+    import json
+    monkeypatch.setattr(sys, "argv", ["bench_presets.py", "--flops-only", "--presets", "fast96", "--log-dir",
+                                      str(tmp_path), "--set=widths=(8,16,16)", "--set=proxy_widths=(4,8,8)"])
+    bench_presets.main()
+    (row,) = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["fast96"]]
+    (r,) = json.load(open(next(tmp_path.iterdir())))["results"]
+    assert 0 < r["scoring_flops_per_step"] < r["net_flops_per_step"]
+    assert row[4] == f"{100 * r['scoring_flops_per_step'] / r['net_flops_per_step']:.1f}%"
+
+
+@pytest.mark.parametrize("select_by", ["proxy", "loss"])
+def test_a_selecting_step_is_timed_as_its_run_selects(monkeypatch, select_by):
+    """By loss history a run builds no proxy: of each step's candidates it trains the batch_size with the highest
+    losses recorded when last trained on (never trained: infinite), chosen before augmentation, then stores the
+    losses of those it trained. The timed step must do the same work, and no proxy's (it timed one)."""
+    import train_cifar
+    monkeypatch.setattr(bench_presets, "N_TRAIN", 300)
+    proxies, stored = [], []
+    real_proxy, real_record = train_cifar.Proxy, train_cifar.record_losses
+
+    def record(history, idx, out, y, smoothing, world):
+        before = history.clone()
+        real_record(history, idx, out, y, smoothing, world)
+        stored.append((before, idx.clone(), history.clone()))
+    monkeypatch.setattr(train_cifar, "Proxy", lambda *a: proxies.append(a) or real_proxy(*a))
+    monkeypatch.setattr(train_cifar, "record_losses", record)
+    overrides = dict(widths=(8, 16, 16), proxy_widths=(4, 8, 8), batch_size=25, precision="fp32", epochs=1,
+                     select_by=select_by, label_smoothing=0.0)
+    r = bench_presets.measure("fast96", torch.device("cpu"), steps=2, repeats=2, overrides=overrides)
+    assert r["candidates_per_step"] == 50 and r["losses_finite"]
+    if select_by == "proxy":
+        assert proxies and not stored
+        return
+    assert not proxies and len(stored) == 2 + 2 * 2  # warm-up and timed steps
+    n = 50
+    for i, (before, idx, after) in zip([0, 1] + [0, 1] * 2, stored):  # time_steps' step numbers
+        start = (i * n) % (300 - n + 1)
+        candidates = list(range(start, start + n))
+        ranked = sorted(candidates, key=lambda j: -before[j].item())  # highest last loss first
+        cut = before[ranked[24]].item()
+        assert len(set(idx.tolist())) == 25 and set(idx.tolist()) <= set(candidates)
+        assert all(before[j].item() >= cut for j in idx.tolist())  # (ties at the cut: any of them)
+        assert all(torch.isfinite(after[idx])) and torch.equal(after[[j for j in range(300) if j not in idx]],
+                                                               before[[j for j in range(300) if j not in idx]])

@@ -1,6 +1,7 @@
 """benchmarks/eval_tta.py evaluates a finished run's net as the run did, and each TTA mode as predict does."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -45,6 +46,7 @@ def test_eval_tta_reproduces_the_runs_own_accuracy_and_each_mode(tmp_path, prese
     top = plain.softmax(1).amax(1)
     assert rows["6v if p<0.3"]["tta_share"] == pytest.approx((top < 0.3).float().mean().item())
     assert rows["6v if p<1"]["accuracy"] == rows["6 views"]["accuracy"]
+    assert [rows[mode]["tta_share"] for mode in ("plain", "mirror", "6 views")] == [0.0, 1.0, 1.0]  # of the images
     table = [line.split() for line in r.stdout.splitlines() if line.split()[:2] == ["0", "plain"]]
     assert table and table[0][-1] == "-"  # one timing per mode has no spread ("0.0000" read as measured)
 
@@ -80,6 +82,23 @@ def test_eval_tta_checks_the_runs_own_accuracy_before_timing_and_says_why_it_dif
                        capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert r.returncode == 2 and "plain" not in r.stdout and "but its run logged" not in r.stderr
     assert f"eval_tta.py: error: {ckpt}: this test set is not the one its run evaluated: pass the --data" in r.stderr
+
+
+def test_eval_tta_refuses_a_net_logged_better_or_worse_than_it_evaluates():
+    """The check is of the distance from the logged accuracy: a net whose run logged more than it gives here is as
+    much another net as one whose run logged less."""
+    cfg = train_cifar.make_config("fast94", widths=(8, 16, 16), precision="fp32")
+    torch.manual_seed(0)
+    model = train_cifar.build_model(cfg, CPU)
+    data = tb.to_device(synthetic(20, 100), CPU, torch.float32, pad=cfg["pad"])
+    labels = tb.predict(model, data["test_x"], "fp32", CPU, tta=cfg["tta"], tta_confidence=cfg["tta_confidence"])
+    labels = labels.argmax(1)
+    accuracy = (labels == data["test_y"]).float().mean().item()  # its own TTA, image by image
+    eval_tta.check_own_accuracy("run.pt", cfg, model, data, "fp32", CPU, accuracy, None)  # the same: no exit
+    for logged in (accuracy - 0.05, accuracy + 0.05):
+        with pytest.raises(SystemExit, match=re.escape(f"run.pt: 6 views if p<0.7 gives {accuracy:.4f} but its run "
+                                                       f"logged {logged:.4f}")):
+            eval_tta.check_own_accuracy("run.pt", cfg, model, data, "fp32", CPU, logged, None)
 
 
 def test_eval_tta_refuses_an_unfinished_run(tmp_path):
@@ -118,6 +137,23 @@ def test_eval_tta_view_sets_average_each_set_as_predict_would(tmp_path):
         assert row["accuracy"] == pytest.approx((logits.argmax(1) == y).float().mean().item())
     six = next(row for row in results if row["mode"] == "6 views")
     assert sets[0]["mode"] == "6v" and sets[0]["accuracy"] == pytest.approx(six["accuracy"])
+
+
+def test_a_view_sets_seconds_are_the_sum_of_its_views_forward_passes(monkeypatch):
+    """On a fake clock that moves 1 s at each synchronisation (so a view's timed pass, between two, takes 1 s), a set
+    of n views costs n s, however many sets share those views."""
+    import types
+    clock = [0.0]
+
+    def sync():
+        clock[0] += 1.0
+    monkeypatch.setattr(eval_tta, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    model = train_cifar.build_model(train_cifar.make_config("fast94", widths=(8, 8, 8), precision="fp32"), CPU)
+    x = torch.randn(4, 3, 32, 32)
+    sets = eval_tta.view_set_accuracies(model, x, torch.arange(4), "fp32", CPU, sync)
+    assert {name: seconds for name, (_, seconds) in sets.items()} == {
+        "6v": 6.0, "6v equal": 6.0, "10v diag": 10.0, "10v diag eq": 10.0, "10v axis": 10.0, "10v diag 2px": 10.0,
+        "18v": 18.0, "18v equal": 18.0, "26v +2px": 26.0}
 
 
 def test_eval_tta_keeps_the_nets_done_before_a_bad_checkpoint(tmp_path):
