@@ -153,6 +153,73 @@ def test_a_best_lr_near_either_end_of_its_log_window_is_flagged():
     assert [r["lr_at_edge"] for r in sbs.best_per_batch(records)] == [True, False, True]
 
 
+def momentum_record(b, trial, steps, lr_eff, momentum=0.9, window=(0.1, 10.0), diverged=False):
+    """A trial record with momentum, so lr = lr_eff * (1 - momentum) differs from lr_eff."""
+    params = dict(lr_eff=lr_eff, lr=lr_eff * (1 - momentum), momentum=momentum, warmup_frac=0.1, decay_to=0.1)
+    return dict(batch_size=b, trial=trial, reached=steps is not None, diverged=diverged, budget_steps=1000,
+                eval_every_steps=10, steps_to_target=steps, best_acc=0.7, params=params, lr_window=list(window))
+
+
+def test_counts_edge_and_lr_trend_read_the_effective_lr_and_count_only_diverged_trials_as_diverged():
+    """Trials that merely missed the target are not "diverged"; the window edge and the LR trend are judged on
+    lr_eff (what the window bounds), not on lr = lr_eff * (1 - momentum), which sits a decade lower at m 0.9."""
+    lo, hi = 0.1, 10.0
+    at = lambda frac: lo * (hi / lo) ** frac  # noqa: E731
+    recs = [momentum_record(64, 0, 400, at(0.5)), momentum_record(64, 1, None, at(0.9)),
+            momentum_record(64, 2, None, at(0.2), diverged=True), momentum_record(128, 0, 200, at(0.7), momentum=0.5),
+            momentum_record(256, 0, 120, at(0.3), momentum=0.98)]
+    rows, _, trend = sbs.summarise(recs)
+    assert [(r["trials"], r["reached"], r["diverged"]) for r in rows] == [(3, 1, 1), (1, 1, 0), (1, 1, 0)]
+    # in lr, 256's (m 0.98: 50x below lr_eff, 0.85 of the window's log width) would be far below the edge
+    assert [r["lr_at_edge"] for r in rows] == [False, False, False]
+    x, y = np.log(np.array([64, 128, 256], np.float64)), np.log(np.array([at(0.5), at(0.7), at(0.3)], np.float64))
+    assert trend["all"]["slope"] == pytest.approx(np.polyfit(x, y, 1)[0], rel=1e-9)
+
+
+def test_the_summary_regimes_allow_for_each_batch_sizes_evaluation_interval():
+    """summarise passes every row's eval interval to analyse: 100 steps at 1024 measured every 10 may be 91, so
+    88 at 2048 is no measured 10% cut (88 > (100 - 10) * 0.9) and 1024 is the maximal useful batch; measured every step
+    (100 may be 100) it is a cut (88 < 99 * 0.9) and 2048 is."""
+    recs = [momentum_record(b, 0, s, 1.0) for b, s in ((256, 400), (512, 200), (1024, 100), (2048, 88))]
+    assert sbs.summarise(recs)[1]["max_useful"] == 1024
+    recs = [dict(r, eval_every_steps=1) for r in recs]
+    assert sbs.summarise(recs)[1]["max_useful"] == 2048
+
+
+def test_the_perfect_scaling_lr_trend_includes_the_end_of_perfect_scaling():
+    """trend["perfect_scaling"] fits every batch size up to and including perfect_end (the regime's own points)."""
+    steps = {64: 800, 128: 400, 256: 200, 512: 180, 1024: 170}
+    lrs = {64: 0.2, 128: 0.3, 256: 0.9, 512: 1.0, 1024: 1.1}
+    rows, regimes, trend = sbs.summarise([momentum_record(b, 0, s, lrs[b], window=(0.01, 100)) for b, s in
+                                          steps.items()])
+    assert regimes["perfect_end"] == 256
+    x, y = np.log(np.array([64, 128, 256], np.float64)), np.log(np.array([0.2, 0.3, 0.9], np.float64))
+    assert trend["perfect_scaling"]["n"] == 3
+    assert trend["perfect_scaling"]["slope"] == pytest.approx(np.polyfit(x, y, 1)[0], rel=1e-9)
+
+
+def test_the_regime_tolerances_include_their_boundaries():
+    """"At most 25% above ideal" is perfect scaling, and a cut of exactly 10% per doubling still pays off: 625
+    steps at 128 against the ideal 500 is perfect; 90 after 100 steps is a 10% cut, so 2048 is maximal useful."""
+    assert sbs.analyse([(64, 1000), (128, 625), (256, 600)])["perfect_end"] == 128
+    assert sbs.analyse([(512, 400), (1024, 100), (2048, 90)])["max_useful"] == 2048
+
+
+def test_an_unreached_batch_size_between_reached_ones_ends_perfect_scaling():
+    """perfect_end needs every batch size from the anchor up to it within tolerance: one that never reached the
+    target (infinitely many steps) in between ends the region, however well a larger one then did."""
+    r = sbs.analyse([(32, 1000), (64, 500), (128, None), (256, 125)])
+    assert r["anchor"] == [32, 1000] and r["perfect_end"] == 64
+    assert [p["regime"] for p in r["points"]] == ["perfect", "perfect", "not reached", "diminishing"]
+
+
+def test_the_maximal_useful_batch_size_is_never_below_the_end_of_perfect_scaling():
+    """A coarse eval interval at 128 (the cut to 256 hidden in it) must not put the maximal useful batch below a
+    batch size that still scaled perfectly: 1000 / 500 / 250 steps at 64 / 128 / 256 is ideal throughout."""
+    r = sbs.analyse([(64, 1000, 10), (128, 500, 400), (256, 250, 10)])
+    assert r["perfect_end"] == 256 and r["max_useful"] >= r["perfect_end"]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Quasi-random search
 
@@ -242,6 +309,41 @@ def test_trial_budget_schedule_and_eval_interval():
         sbs.study_settings("cpu", "adam")
 
 
+def test_trial_t_maps_halton_point_t_through_the_space_at_every_batch_size():
+    """Trial t is point t of the scrambled Halton sequence; each metaparameter reads its own fixed coordinate
+    (the order of SEARCH_SPACE, not of an optimizer's dimensions, so trial t shares its warm-up and decay across
+    optimizers); the LR window is the searched range at the reference batch 256, slid by (b / 256) ** 0.75."""
+    u = sbs.scrambled_halton(6, len(sbs.SEARCH_SPACE), seed=0)
+    logmap = lambda x, lo, hi: math.exp(math.log(lo) + x * (math.log(hi) - math.log(lo)))  # noqa: E731
+    for name in sbs.OPTIMIZERS:
+        for trial in range(6):
+            for b in (64, 256, 1024):
+                p, _ = sbs.sample_params(name, trial, b)
+                scale = (b / 256.0) ** 0.75
+                assert p["lr_eff"] == pytest.approx(logmap(u[trial, 0], 0.3 * scale, 30.0 * scale), rel=1e-12)
+                assert p["warmup_frac"] == pytest.approx(0.2 * u[trial, 2], rel=1e-12)
+                assert p["decay_to"] == pytest.approx(logmap(u[trial, 3], 0.01, 0.3), rel=1e-12)
+                if name != "sgd":
+                    assert p["momentum"] == pytest.approx(1 - logmap(u[trial, 1], 0.02, 0.5), rel=1e-12)
+                if name == "lars":
+                    assert p["trust"] == pytest.approx(logmap(u[trial, 4], 0.001, 0.02), rel=1e-12)
+    assert sbs.lr_window(256) == pytest.approx((0.3, 30.0))
+    assert sbs.lr_window(4096) == pytest.approx((0.3 * 8, 30.0 * 8))  # 16 ** 0.75 = 8
+
+
+def test_the_warm_up_lasts_its_fraction_of_the_trials_budget():
+    """warmup_frac is a fraction of the step budget: the LR peaks at warmup_frac * budget_epochs, not after
+    warmup_frac epochs (a long budget would have warmed up within its first few steps)."""
+    s = sbs.study_settings("cpu", "nesterov", epochs=4, min_steps=200)
+    for b, trial in ((16, 1), (2048, 3)):
+        spec = sbs.make_trial(s, b, trial, 45000)
+        budget_epochs = spec["budget_steps"] / (45000 // b)
+        w = spec["params"]["warmup_frac"]
+        assert w > 0 and spec["budget_epochs"] == pytest.approx(budget_epochs)
+        assert spec["train"]["lr_knots"] == pytest.approx((0.0, w * budget_epochs, budget_epochs))
+        assert spec["train"]["lr_values"][:2] == pytest.approx((0.0, spec["params"]["lr"]))
+
+
 def test_trial_order_moves_trials_forward_without_changing_them():
     s = sbs.study_settings("cpu", "lars")
     plain = sbs.plan(s, [2048, 4096], 4, 45000)
@@ -251,6 +353,17 @@ def test_trial_order_moves_trials_forward_without_changing_them():
     by_key = {(p["trial"], p["batch_size"]): p for p in plain}
     assert all(p == by_key[(p["trial"], p["batch_size"])] for p in ordered)  # same metaparameters and budget
     assert [p["trial"] for p in sbs.plan(s, [2048, 4096], 4, 45000, shard=(1, 2), order=[3, 1])] == [3, 1, 0, 2]
+
+
+def test_any_number_of_shards_partitions_the_plan():
+    """N shards together run every planned trial exactly once (no trial twice, none missing), for any N."""
+    s = sbs.study_settings("cpu", "sgd")
+    for order in ((), (4, 2)):
+        whole = [sbs.trial_key(p) for p in sbs.plan(s, [16, 64, 256], 5, 45000, order=order)]
+        for n in range(1, 7):
+            shards = [[sbs.trial_key(p) for p in sbs.plan(s, [16, 64, 256], 5, 45000, shard=(k, n), order=order)]
+                      for k in range(n)]
+            assert sorted(key for shard in shards for key in shard) == sorted(whole) and len(set(whole)) == 15
 
 
 def test_trial_order_outside_the_trials_is_a_usage_error(tmp_path):
@@ -358,6 +471,23 @@ def test_summary_regimes_and_plots_of_a_fake_study(study, tmp_path):
     for png in sbs.plot([("cpu/momentum", rows, regimes, trend), ("again", rows, regimes, trend)], str(tmp_path)):
         with open(png, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_plot_draws_the_ideal_line_and_the_evaluation_intervals_of_the_curve(tmp_path, monkeypatch):
+    """The dashed ideal line is s0 * b0 / b through the anchor, and each point's error bar reaches down one eval
+    interval (the target was met within (steps - interval, steps]); both are read off the drawn figure."""
+    recs = [dict(momentum_record(b, 0, s, 1.0), eval_every_steps=e)
+            for b, s, e in ((32, None, 50), (64, 1000, 40), (128, 520, 20), (256, 300, 10), (512, 280, 10))]
+    axes = []
+    monkeypatch.setattr(sbs, "_finish_log_log_plot", lambda fig, ax, bs, path: axes.append(ax) or path)
+    sbs.plot([("cpu/momentum", *sbs.summarise(recs))], str(tmp_path))
+    ax = axes[0]
+    ideal, = [line for line in ax.get_lines() if line.get_label() == "perfect scaling (ideal 1/b)"]
+    assert list(ideal.get_xdata()) == [64, 128, 256, 512]
+    assert list(ideal.get_ydata()) == pytest.approx([1000 * 64 / b for b in (64, 128, 256, 512)])
+    bars = [seg for c in ax.containers for coll in c.lines[2] for seg in coll.get_segments()]
+    assert sorted((x0, y0, y1) for (x0, y0), (_, y1) in bars) == pytest.approx(
+        [(64, 960, 1000), (128, 500, 520), (256, 290, 300), (512, 270, 280)])
 
 
 # ---------------------------------------------------------------------------------------------------------------
