@@ -131,13 +131,13 @@ def main():
         raw = tb.validate(dict(tb.load_cifar10(a.data or train_cifar.default_data_path())), "data")
     except tb.DataError as e:  # (missing or corrupt: its message says where and what to pass)
         p.error(str(e))
-    table = core.Table(["seed", "mode", "accuracy", "tta_share", "seconds", "±"], width=12)
-    results = []
-    info = dict(hardware=tb.device_name(device), torch=torch.__version__, commit=core.git_commit(),
-                date=core.utc_timestamp(), repeats=a.repeats, results=results)
-    log_path = core.stamped_log_path(a.log_dir, "eval_tta", info["date"]) if a.log_dir else None
-    if log_path:
-        print(f"log: {log_path} (written after every net)")
+    datasets = {}  # by (precision, pad): the test set as each net's run fed it
+
+    def data_for(precision, pad):
+        if (precision, pad) not in datasets:
+            datasets[precision, pad] = tb.to_device(raw, device, tb.DTYPES[precision], pad=pad)
+        return datasets[precision, pad]
+    nets = []  # every net read and checked before any is timed (minutes each on a CPU)
     for path in a.checkpoints:
         try:
             cfg, precision, model, seed, logged, fingerprint = load_trained(path, device)
@@ -145,11 +145,21 @@ def main():
             p.error(str(e))
         except KeyError as e:
             p.error(f"{path}: a checkpoint without {e}, from an older train_cifar.py?")
-        data = tb.to_device(raw, device, tb.DTYPES[precision], pad=cfg["pad"])
-        here = train_cifar.data_fingerprint(data) if fingerprint else None  # (none in older checkpoints)
+        data = data_for(precision, cfg["pad"])
+        here = train_cifar.data_fingerprint(data) if fingerprint else None  # (older checkpoints hold none)
         if here and not cfg.get("holdout") and any(here[k] != fingerprint[k] for k in ("test_x", "test_y")):
             p.error(f"{path}: this test set is not the one its run evaluated: pass the --data it ran on")
         check_own_accuracy(path, cfg, model, data, precision, device, logged, fingerprint)
+        nets.append((path, cfg, precision, model, seed))
+    table = core.Table(["seed", "mode", "accuracy", "tta_share", "seconds", "±"], width=12)
+    results = []
+    info = dict(hardware=tb.device_name(device), torch=torch.__version__, commit=core.git_commit(),
+                date=core.utc_timestamp(), repeats=a.repeats, results=results)
+    log_path = core.stamped_log_path(a.log_dir, "eval_tta", info["date"]) if a.log_dir else None
+    if log_path:
+        print(f"log: {log_path} (written after every net)")
+    for path, cfg, precision, model, seed in nets:
+        data = data_for(precision, cfg["pad"])
         plain = tb.predict(model, data["test_x"], precision, device)
         top = plain.softmax(1).amax(1)
         for name, level, confidence in modes(a.confidences):

@@ -156,16 +156,26 @@ def test_a_view_sets_seconds_are_the_sum_of_its_views_forward_passes(monkeypatch
         "18v": 18.0, "18v equal": 18.0, "26v +2px": 26.0}
 
 
-def test_eval_tta_keeps_the_nets_done_before_a_bad_checkpoint(tmp_path):
+def test_eval_tta_checks_every_checkpoint_before_timing_any(tmp_path):
+    """A bad checkpoint (unfinished, or another net than its run's) after good ones was found only when reached,
+    after minutes of timing the others on a CPU: now every net is read and checked first, and nothing is timed."""
     data = synthetic(200, 100)
     npz, done, unfinished = tmp_path / "tiny.npz", tmp_path / "done.pt", tmp_path / "unfinished.pt"
     np.savez(npz, **data)
     train_cifar.train("fast94", data=data, checkpoint=str(done), **TINY)
     train_cifar.train("fast94", data=data, checkpoint=str(unfinished), stop_after_epochs=1, **TINY)
+    state = torch.load(done, weights_only=False)
+    state["result"]["accuracy"] = (state["result"]["accuracy"] + 0.5) % 1  # as if another net had been logged
+    torch.save(state, tmp_path / "other-net.pt")
     logs = tmp_path / "logs"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "eval_tta.py"), str(done), str(unfinished),
-                        "--data", str(npz), "--confidences", "0.5", "--repeats", "1", "--log-dir", str(logs)],
+    for bad, code, why in [(unfinished, 2, "has not finished"), (tmp_path / "other-net.pt", 1, "but its run logged")]:
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "eval_tta.py"), str(done), str(bad),
+                            "--data", str(npz), "--confidences", "0.5", "--repeats", "1", "--log-dir", str(logs)],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == code and why in r.stderr and str(bad) in r.stderr, r.stderr
+        assert "plain" not in r.stdout and not (logs.exists() and any(logs.iterdir()))  # nothing timed or logged
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "eval_tta.py"), str(done), "--data",
+                        str(npz), "--confidences", "0.5", "--repeats", "1", "--log-dir", str(logs)],
                        capture_output=True, text=True, timeout=600)
-    assert r.returncode != 0 and "has not finished" in r.stderr
     results = json.load(open(next(logs.iterdir())))["results"]
-    assert {row["checkpoint"] for row in results} == {"done.pt"} and len(results) == len(eval_tta.modes([0.5]))
+    assert r.returncode == 0 and [row["mode"] for row in results] == [m[0] for m in eval_tta.modes([0.5])]
