@@ -93,12 +93,25 @@ def test_truncated_files_are_clear_errors(tmp_path, tiny):
     (lambda d: d.update(test_y=d["test_y"].astype(np.int64) - 1), "labels 0..9"),  # -1..8: ten classes, one not ours
     (lambda d: d.update(train_y=d["train_y"] * 0), "classes"),
     (lambda d: d.update(train_y=d["train_y"].astype(np.float64)), "integer"),
+    (lambda d: d.update(train_y=d["train_y"][:, None]), r"train_y has shape \(200, 1\)"),  # one label a row, 2-D
+    (lambda d: d.update(test_y=d["test_y"] * 0), "test_y lacks"),  # a test set of one class scores nothing
 ])
 def test_malformed_arrays_are_rejected(tmp_path, tiny, change, message):
     change(tiny)
     np.savez(tmp_path / "bad.npz", **tiny)
     with pytest.raises(tb.DataError, match=message):
         tb.load_cifar10(str(tmp_path / "bad.npz"), download=False)
+
+
+def test_labels_of_any_integer_type_are_loaded_as_int64(tmp_path, tiny):
+    """Labels stored as uint8 or int32 (as other CIFAR-10 exports keep them) come out int64, the type the
+    cross-entropy loss takes as class indices, with the same values."""
+    for dtype in (np.uint8, np.int32):
+        np.savez(tmp_path / "small.npz", **dict(tiny, train_y=tiny["train_y"].astype(dtype),
+                                                test_y=tiny["test_y"].astype(dtype)))
+        data = tb.load_cifar10(str(tmp_path / "small.npz"), download=False)
+        for k in ("train_y", "test_y"):
+            assert data[k].dtype == np.int64 and data[k].tolist() == tiny[k].tolist()
 
 
 def test_missing_arrays_and_missing_path(tmp_path, tiny):

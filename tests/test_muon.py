@@ -51,6 +51,17 @@ def test_newton_schulz_pushes_singular_values_towards_one():
     assert s.min() < 0.2 and s.max() < 1.25, s
 
 
+def test_newton_schulz_is_muons_published_quintic():
+    """The iteration is Muon's (Jordan et al. 2024; airbench94's record), a, b, c = 3.4445, -4.7750, 2.0315 written
+    out here rather than read from the code: on a diagonal matrix each entry s / ||s|| goes through
+    s <- a s + b s^3 + c s^5 five times (float64)."""
+    s = torch.tensor([0.05, 0.3, 1.0, 2.0], dtype=torch.float64)
+    want = s / torch.linalg.vector_norm(s)
+    for _ in range(5):
+        want = 3.4445 * want - 4.7750 * want ** 3 + 2.0315 * want ** 5
+    torch.testing.assert_close(torch.diagonal(tb.newton_schulz(torch.diag(s))), want, atol=1e-6, rtol=0)  # eps: 2e-7
+
+
 def muon_reference(w0, grads, lr, momentum, nesterov, weight_decay, norm, ns_steps):
     """float64 Muon on one conv weight over a sequence of gradients."""
     w, buf = w0.astype(np.float64).copy(), None

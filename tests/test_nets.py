@@ -279,3 +279,76 @@ def test_predict_evaluates_in_eval_mode_and_leaves_the_mode_as_it_was(training):
         hook.remove()
         assert modes and not any(modes)  # evaluated with BN running statistics
         assert all(m.training == training for m in model.modules())
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_fastnet_computes_the_airbench_net(depth):
+    """Forward pass (train mode) against a float64 functional reference of airbench's net: whitening conv, GELU,
+    then per block conv, max-pool 2, BN (eps 1e-12), GELU, conv, BN, GELU (depth 3: GELU(x + BN(conv(GELU(BN(conv
+    (x))))))) over the last two convs), the per-channel max of the last maps and the head scaled by 1/9."""
+    torch.manual_seed(0)
+    net = tb.FastNet((4, 6, 6), whiten_width=8, depth=depth).double().train()
+    for m in net.modules():  # non-trivial BN shifts, a whitening bias, so a misplaced GELU or pool shows
+        if isinstance(m, torch.nn.BatchNorm2d):
+            torch.nn.init.uniform_(m.bias, -0.5, 0.5)
+    torch.nn.init.uniform_(net.whiten.bias, -0.5, 0.5)
+    x = torch.randn(4, 3, 17, 17, dtype=torch.float64)
+
+    def bn(t, m):
+        return F.batch_norm(t, None, None, m.weight, m.bias, training=True, eps=1e-12)
+
+    convs = [m for m in net.blocks.modules() if isinstance(m, torch.nn.Conv2d)]
+    bns = [m for m in net.blocks.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    t = F.gelu(F.conv2d(x, net.whiten.weight, net.whiten.bias))
+    for b in range(3):
+        c, n = convs[depth * b:depth * b + depth], bns[depth * b:depth * b + depth]
+        t = F.gelu(bn(F.max_pool2d(F.conv2d(t, c[0].weight, padding=1), 2), n[0]))
+        h = F.gelu(bn(F.conv2d(t, c[1].weight, padding=1), n[1]))
+        t = h if depth == 2 else F.gelu(t + bn(F.conv2d(h, c[2].weight, padding=1), n[2]))
+    want = t.amax((2, 3)) @ net.head.weight.T / 9
+    torch.testing.assert_close(net(x), want)
+
+
+def test_fastnet_whitening_uses_airbenchs_eps_and_starts_with_zero_bias():
+    """FastNet's 2x2 whitening takes airbench's eps 5e-4: the whitened patch covariance is diag(lambda / (lambda +
+    5e-4)) over the patch covariance's eigenvalues (float64 reference; data scaled so that eps matters), its 12
+    filters then their negatives; the bias, whatever it was, starts at 0."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(300, 3, 9, 9, generator=gen)
+    x = 0.02 * (x + 0.8 * x.roll(1, dims=3) + 0.5 * x.roll(1, dims=1))  # eigenvalues ~3e-4 .. 2e-3
+    net = tb.FastNet((4, 6, 6))
+    net.whiten.bias.data.fill_(0.7)
+    net.init_whitening(x)
+    w = net.whiten.weight.double()
+    assert w.shape == (24, 3, 2, 2) and torch.equal(net.whiten.bias, torch.zeros(24))
+    torch.testing.assert_close(w[12:], -w[:12])
+    patches = x.double().unfold(2, 2, 1).unfold(3, 2, 1).permute(0, 2, 3, 1, 4, 5).reshape(-1, 12)
+    patches = patches - patches.mean(0)
+    lam = torch.linalg.eigvalsh(patches.T @ patches / len(patches))
+    assert lam.min() < 5e-4 < lam.max()
+    out = F.conv2d(x.double(), w[:12]).permute(0, 2, 3, 1).reshape(-1, 12)
+    out = out - out.mean(0)
+    cov = out.T @ out / len(out)
+    torch.testing.assert_close(cov, torch.diag(lam / (lam + 5e-4)), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("make, scale", [(lambda: tb.resnet9((4, 4, 8, 8)), 1 / 8),
+                                         (lambda: tb.ResNet9Tricks((4, 4, 8, 8)), 1 / 16)])
+def test_myrtle_nets_scale_the_head_and_tricks_uses_celu_alpha_0_3(make, scale):
+    """Myrtle's logits: the linear head on the per-channel max of the last maps times 1/8 (resnet9), 1/16 for the
+    bag-of-tricks net, whose activations are CELU(alpha=0.3): x where x > 0, else 0.3 (exp(x / 0.3) - 1)
+    (float64, written out)."""
+    torch.manual_seed(0)
+    net = make().double()
+    seen = []
+    for m in net.modules():
+        if isinstance(m, (tb.GlobalMaxPool, torch.nn.CELU)):
+            m.register_forward_hook(lambda m, args, out: seen.append((m, args[0].detach(), out.detach())))
+    logits = net(torch.randn(3, 3, 32, 32, dtype=torch.float64))
+    (_, maps, _), = [s for s in seen if isinstance(s[0], tb.GlobalMaxPool)]
+    head = [m for m in net.modules() if isinstance(m, torch.nn.Linear)][0]
+    torch.testing.assert_close(logits, maps.amax((2, 3)) @ head.weight.detach().T * scale)
+    celus = [(x, out) for m, x, out in seen if isinstance(m, torch.nn.CELU)]
+    assert len(celus) == (8 if isinstance(net, tb.ResNet9Tricks) else 0)
+    for x, out in celus:
+        torch.testing.assert_close(out, torch.where(x > 0, x, 0.3 * torch.expm1(x / 0.3)))
