@@ -18,6 +18,29 @@ def test_batched_augmentation_equals_per_sample_loop(pad, cutout, flip):
     torch.testing.assert_close(batched, reference, rtol=0, atol=0)
 
 
+def test_augmentation_pixel_by_pixel():
+    """Both implementations against what each output pixel must be (augment_reference lives beside augment, so a
+    mistake made in both would pass the test above): image b's pixel (y, x) is the padded image's (dy + y, dx + x),
+    with x mirrored across the width when flipped, and zero inside the cutout square at (cy, cx) of the output."""
+    n, size, pad, cutout, channels = 4, 6, 1, 2, 2
+    data = torch.arange(n * (size + 2) ** 2 * channels, dtype=torch.float32).view(n, size + 2, size + 2, channels)
+    index = torch.tensor([2, 0, 3])
+    aug = dict(dy=torch.tensor([0, 2, 1]), dx=torch.tensor([2, 1, 0]), flip=torch.tensor([True, False, True]),
+               cy=torch.tensor([0, 4, 3]), cx=torch.tensor([1, 0, 4]))
+    expected = np.zeros((3, channels, size, size), np.float32)
+    for b, i in enumerate(index.tolist()):
+        dy, dx, cy, cx = (int(aug[k][b]) for k in ("dy", "dx", "cy", "cx"))
+        for c in range(channels):
+            for y in range(size):
+                for x in range(size):
+                    src_x = size - 1 - x if aug["flip"][b] else x
+                    cut = cy <= y < cy + cutout and cx <= x < cx + cutout
+                    expected[b, c, y, x] = 0 if cut else data[i, dy + y, dx + src_x, c]
+    for out in (tb.augment(data, index, aug, size=size, cutout=cutout),
+                tb.augment_reference(data, index, aug, size=size, cutout=cutout)):
+        np.testing.assert_array_equal(out.numpy(), expected)
+
+
 def test_draws_cover_their_ranges():
     """Every crop offset 0..2*pad and cutout corner 0..size-cutout occurs, both ends included (no off-by-one)."""
     gen = torch.Generator().manual_seed(0)
