@@ -22,7 +22,7 @@ def test_augmentation_pixel_by_pixel():
     """Both implementations against what each output pixel must be (augment_reference lives beside augment, so a
     mistake made in both would pass the test above): image b's pixel (y, x) is the padded image's (dy + y, dx + x),
     with x mirrored across the width when flipped, and zero inside the cutout square at (cy, cx) of the output."""
-    n, size, pad, cutout, channels = 4, 6, 1, 2, 2
+    n, size, cutout, channels = 4, 6, 2, 2  # (padded by 1: 8 x 8 images)
     data = torch.arange(n * (size + 2) ** 2 * channels, dtype=torch.float32).view(n, size + 2, size + 2, channels)
     index = torch.tensor([2, 0, 3])
     aug = dict(dy=torch.tensor([0, 2, 1]), dx=torch.tensor([2, 1, 0]), flip=torch.tensor([True, False, True]),

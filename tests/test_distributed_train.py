@@ -170,3 +170,13 @@ def test_hierarchical_all_reduce_trains_as_the_flat_one(tiny_npz, tmp_path, grou
     np.testing.assert_allclose([e["train_loss"] for e in b["runs"][0]["epochs"]],
                                [e["train_loss"] for e in a["runs"][0]["epochs"]], rtol=1e-5)
     assert b["runs"][0]["accuracy"] == pytest.approx(a["runs"][0]["accuracy"], abs=0.011)
+
+
+def test_warmup_rises_over_its_epochs_into_a_schedule_that_does_not_start_at_0():
+    """fast94's LR falls linearly from 1.6 at epoch 0 to 0 at 10; a 2-epoch warm-up rises from 0 to the
+    schedule's value at epoch 2 (1.28) and follows it from there (resnet9's schedule already rises from 0, so
+    a warm-up of another length leaves it unchanged)."""
+    lr = train_cifar.lr_schedule(train_cifar.make_config("fast94", warmup_epochs=2))
+    assert [lr(e) for e in (0, 1, 2, 3, 10)] == pytest.approx([0.0, 0.64, 1.28, 1.12, 0.0])
+    stretched = train_cifar.lr_schedule(train_cifar.make_config("fast94", epochs=20, warmup_epochs=2))
+    assert [stretched(e) for e in (1, 2, 4)] == pytest.approx([0.72, 1.44, 1.28])

@@ -293,3 +293,18 @@ def test_compiled_proxy_scores_selects_and_trains_as_the_eager_one_without_recom
     for p, q in zip(eager.model.parameters(), compiled.model.parameters()):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4)
     assert not torch.equal(before["blocks.0.weight"], compiled.model.state_dict()["blocks.0.weight"])  # trained
+
+
+def test_the_proxy_trains_at_steps_0_every_2_every_as_its_flops_count_it(monkeypatch):
+    """proxy_every 3 over 2 epochs of 4 steps (400 images, 100 candidates a step): the proxy scores at every step
+    and trains at steps 0, 3 and 6, the steps run_flops counts its training at."""
+    trains, select = [], train_cifar.Proxy.select
+
+    def recording(self, x, y, keep, lr, train):
+        trains.append(train)
+        return select(self, x, y, keep, lr, train)
+    monkeypatch.setattr(train_cifar.Proxy, "select", recording)
+    train_cifar.train("fast96", data=synthetic(400, 50), widths=(8, 16, 16), proxy_widths=(4, 8, 8), batch_size=50,
+                      epochs=2, proxy_every=3, precision="fp32", train_sizes=(), tta=0, log_dir=None,
+                      log=lambda *a: None, progress=False)
+    assert trains == [True, False, False, True, False, False, True, False]

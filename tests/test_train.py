@@ -1207,3 +1207,161 @@ def test_an_interrupted_run_says_what_it_kept_without_a_traceback(tiny_npz, tmp_
         assert (f"interrupted: run 0 stopped; every epoch's row in {tsv}; the same command resumes it from {ckpt}'s "
                 "last epoch") in out
         assert json.loads(log.read_text())["runs"] == [] and ckpt.exists()
+
+
+# --- What a second mutation audit of train_cifar.py found unpinned: each of these could be broken without any
+# test failing.
+
+def recorded_batches(monkeypatch):
+    """The number of examples of every training step, as train_step received them."""
+    sizes, step = [], train_cifar.train_step
+
+    def recording(cfg, step_fn, opt, x, y, *args, **kwargs):
+        sizes.append(len(y))
+        return step(cfg, step_fn, opt, x, y, *args, **kwargs)
+    monkeypatch.setattr(train_cifar, "train_step", recording)
+    return sizes
+
+
+def test_an_epoch_is_its_whole_batches_and_fractional_epochs_round_the_steps_up(monkeypatch):
+    """230 images at batch 50: 4 whole batches an epoch, the pass's last 30 images dropped (BatchStream); 2.3
+    epochs are ceil(2.3 x 4) = 10 steps (as airbench), the third epoch's 2 of them ending the run with its final
+    evaluation. Fresh examples read: 200 a pass."""
+    sizes = recorded_batches(monkeypatch)
+    run = train_cifar.train("fast94", data=synthetic(230, 50), epochs=2.3, **TINY_FAST)["runs"][0]
+    assert sizes == [50] * math.ceil(2.3 * (230 // 50))
+    assert [(r["epoch"], r["fresh"]) for r in run["epochs"]] == [(1, 200), (2, 400), (3, 500)]
+    assert run["accuracy"] is not None and run["accuracy"] == run["epochs"][-1]["test_acc"]
+
+
+def evaluations_jumping_the_clock(monkeypatch, accuracies):
+    """evaluate replaced: each call moves the clock 1000 s and returns the next of accuracies (then 0.0); the
+    tta of each call is recorded in the returned list."""
+    real_clock, jumped, calls, accs = time.perf_counter, [0.0], [], iter(accuracies)
+
+    def evaluate(model, data, precision, device, tta, *args, **kwargs):
+        jumped[0] += 1000.0
+        calls.append(tta)
+        return next(accs, 0.0)
+    monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + jumped[0])
+    monkeypatch.setattr(train_cifar, "evaluate", evaluate)
+    return calls
+
+
+def test_time_to_target_is_the_timed_clock_where_it_was_reached(monkeypatch, tiny):
+    """Each evaluation takes 1000 s on the clock. Reached at the final epoch, the time to target is the run's
+    time, its final evaluation included; reached at a step evaluation, the time there, untimed evaluations
+    excluded. The step evaluations are never part of a run's time (only the final one is)."""
+    evaluations_jumping_the_clock(monkeypatch, [0.0, 0.0, 0.6])
+    run = train_cifar.train("fast94", data=tiny, epochs=3, target=0.5, **TINY_FAST)["runs"][0]
+    assert run["epoch_reached_target"] == 3 and 1000 <= run["total_time_s"] < 2000
+    assert run["time_to_target_s"] == run["total_time_s"] == run["epochs"][-1]["total_time"]
+    # 4 steps an epoch, evaluated every 2: evaluations at steps 2, 4 (then epoch 1), 6, 8 (epoch 2), 10, 12 (final)
+    calls = evaluations_jumping_the_clock(monkeypatch, [0.0, 0.6])
+    run = train_cifar.train("fast94", data=tiny, epochs=3, target=0.5, eval_every_steps=2, eval_every=0,
+                            **TINY_FAST)["runs"][0]
+    assert len(calls) == 7 and run["step_reached_target"] == 4
+    assert run["time_to_target_s"] < 1000 and 1000 <= run["total_time_s"] < 2000
+    assert run["time_to_target_s"] == run["evals"][1]["time"]
+
+
+def test_eval_every_evaluates_every_nth_epoch_without_tta_and_the_last_with_it(monkeypatch, tiny):
+    """eval_every 2 over 5 epochs: plain evaluations after epochs 2 and 4, the final one (with TTA) after 5."""
+    calls = evaluations_jumping_the_clock(monkeypatch, [0.25, 0.5, 0.75])
+    run = train_cifar.train("fast94", data=tiny, epochs=5, eval_every=2, **dict(TINY_FAST, tta=2))["runs"][0]
+    assert calls == [0, 0, 2]
+    assert [None if math.isnan(r["test_acc"]) else r["test_acc"] for r in run["epochs"]] == \
+        [None, 0.25, None, 0.5, 0.75]
+
+
+def test_stop_at_target_ends_the_run_at_the_epoch_that_reached_it(monkeypatch, tiny):
+    """Without step evaluations the epoch ends judge it: the run ends after the first epoch at the target,
+    with that evaluation's accuracy as its result."""
+    evaluations_jumping_the_clock(monkeypatch, [0.25, 0.5, 0.75])
+    run = train_cifar.train("fast94", data=tiny, epochs=4, target=0.5, stop_at_target=True, **TINY_FAST)["runs"][0]
+    assert [r["epoch"] for r in run["epochs"]] == [1, 2]
+    assert (run["epoch_reached_target"], run["accuracy"]) == (2, 0.5)
+
+
+def test_run_r_is_the_run_of_seed_plus_r(tiny):
+    """Run 1 of --seed 5 --runs 2 is what --seed 6 trains alone (init, data order and augmentation), and says so."""
+    both = train_cifar.train("fast94", data=tiny, epochs=1, seed=5, runs=2, **TINY_FAST)["runs"]
+    alone = train_cifar.train("fast94", data=tiny, epochs=1, seed=6, **TINY_FAST)["runs"][0]
+    assert [r["seed"] for r in both] == [5, 6]
+    assert both[1]["epochs"][0]["train_loss"] == alone["epochs"][0]["train_loss"]
+    assert both[1]["accuracy"] == alone["accuracy"]
+    assert both[0]["epochs"][0]["train_loss"] != alone["epochs"][0]["train_loss"]
+
+
+def test_a_holdout_is_one_fixed_split_disjoint_from_the_images_trained_on(monkeypatch, tiny):
+    """The held-out images and those trained on partition the training set, and the split is the same for every
+    seed (the data as train() hands them to the device, compared as sets of images)."""
+    handed = []
+    to_device = tb.to_device
+    monkeypatch.setattr(tb, "to_device", lambda data, *a, **k: (handed.append(data), to_device(data, *a, **k))[1])
+    for seed in (0, 3):
+        train_cifar.train("fast94", data=tiny, epochs=1, holdout=40, seed=seed, **TINY_FAST)
+
+    def images(x):
+        return {im.tobytes() for im in x}
+    everything = images(tiny["train_x"])
+    assert len(handed) == 2 and len(everything) == 200
+    for data in handed:
+        held, kept = images(data["test_x"]), images(data["train_x"])
+        assert (len(held), len(kept), len(data["train_x"])) == (40, 160, 160)
+        assert held | kept == everything and not held & kept
+    assert images(handed[0]["test_x"]) == images(handed[1]["test_x"])
+
+
+def test_an_epochs_train_loss_and_accuracy_are_over_its_training_examples(monkeypatch, tiny):
+    """The table's train_loss and train_acc: the mean over the epoch's examples of each step's own loss and
+    correctness (its forward pass, before the update), recomputed here from what train_step returned."""
+    per_step, step = [], train_cifar.train_step
+
+    def recording(cfg, step_fn, opt, x, y, *args, **kwargs):
+        out, loss = step(cfg, step_fn, opt, x, y, *args, **kwargs)
+        per_step.append((loss.item() * len(y), (out.argmax(1) == y).sum().item(), len(y)))
+        return out, loss
+    monkeypatch.setattr(train_cifar, "train_step", recording)
+    run = train_cifar.train("fast94", data=tiny, epochs=2, **TINY_FAST)["runs"][0]
+    assert len(per_step) == 8
+    for row, steps in zip(run["epochs"], (per_step[:4], per_step[4:])):
+        n = sum(k for _, _, k in steps)
+        assert row["train_loss"] == pytest.approx(sum(s for s, _, _ in steps) / n, rel=1e-6)
+        assert row["train_acc"] == pytest.approx(sum(c for _, c, _ in steps) / n, rel=1e-6)
+
+
+def test_a_stopped_run_continues_without_its_final_evaluations_time(monkeypatch, tmp_path, tiny):
+    """Each evaluation takes 1000 s on the clock. Stopped after epoch 1 of 2, the part's time counts its final
+    evaluation; continued from its checkpoint, the whole run's counts only the run's own final evaluation."""
+    evaluations_jumping_the_clock(monkeypatch, [])
+    ckpt = str(tmp_path / "run.pt")
+    part = train_cifar.train("fast94", data=tiny, epochs=2, eval_every=0, stop_after_epochs=1, checkpoint=ckpt,
+                             **TINY_FAST)["runs"][0]
+    assert part["stopped_after_epoch"] == 1 and part["total_time_s"] >= 1000
+    whole = train_cifar.train("fast94", data=tiny, epochs=2, eval_every=0, checkpoint=ckpt, **TINY_FAST)["runs"][0]
+    assert [r["epoch"] for r in whole["epochs"]] == [1, 2] and 1000 <= whole["total_time_s"] < 2000
+
+
+def test_the_reproduction_report_states_the_rerun_minus_the_logged_accuracy():
+    report = [dict(seed=3, epochs=2, first_difference=2, max_loss_difference=0.01, cut_short=False, accuracy=0.9512,
+                   logged_accuracy=0.94)]
+    assert train_cifar.describe_reproduction(report, "a.json") == [
+        "seed 3: differs from the log from epoch 2 on (training loss by up to 0.01 over 2 epoch(s)); accuracy "
+        "95.12% against 94.00% logged (+1.12 points)"]
+
+
+def test_fractional_epochs_are_taken_on_the_command_line():
+    """--epochs 2.5 (the presets' own are fractional too: fast94-sgd's 9.9); the preset's knots stretch to it."""
+    preset, overrides, _ = train_cifar.run_options(train_cifar.parse_args(["--epochs", "2.5"])[1])
+    assert overrides["epochs"] == 2.5
+    assert train_cifar.make_config(preset, **overrides)["lr_knots"] == (0, 2.5)
+
+
+def test_an_infinite_training_loss_ends_the_run_as_diverged(monkeypatch, tiny):
+    """Not only NaN: an epoch whose training loss is infinite (an overflow) is a diverged run too."""
+    step = train_cifar.train_step
+    monkeypatch.setattr(train_cifar, "train_step", lambda *a, **k: (lambda out, loss: (out, loss * math.inf))(
+        *step(*a, **k)))
+    with pytest.raises(train_cifar.Diverged, match="training loss is inf at epoch 1"):
+        train_cifar.train("fast94", data=tiny, epochs=2, **TINY_FAST)
