@@ -372,6 +372,23 @@ def test_exit_with_reads_the_sigterm_flag_once():
     assert codes == [143, 130]
 
 
+@pytest.mark.parametrize("world, ends", [("2", "without finalisation"), ("1", "normally")])
+def test_under_torchrun_exit_with_ends_without_finalisation(tmp_path, world, ends):
+    """Under torchrun a finished script's exit code and flushed output stand, and Python's finalisation (where
+    torch's gloo can abort a rank) is skipped: an atexit handler stands for it. A lone process exits normally."""
+    import subprocess
+    script = tmp_path / "job.py"
+    script.write_text("import atexit, sys\nsys.path.insert(0, sys.argv[1])\nimport core\n"
+                      "atexit.register(lambda: print('finalised'))\n"
+                      "def main():\n    print('done', end='')\n    print('warned', file=sys.stderr, end='')\n"
+                      "    return 3\ncore.exit_with(main)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, str(script), root], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, RANK="0", WORLD_SIZE=world))
+    assert r.returncode == 3 and r.stderr == "warned"
+    assert r.stdout == ("done" if world == "2" else "donefinalised\n"), ends
+
+
 def parsed_lines(text):
     """(line number, value) of each line that parses as JSON, one line at a time: the reference for read_jsonl."""
     out = []
