@@ -150,6 +150,7 @@ def main():
         if here and not cfg.get("holdout") and any(here[k] != fingerprint[k] for k in ("test_x", "test_y")):
             p.error(f"{path}: this test set is not the one its run evaluated: pass the --data it ran on")
         check_own_accuracy(path, cfg, model, data, precision, device, logged, fingerprint)
+        print(f"checked {path}: its net gives the {100 * logged:.2f}% its run logged", flush=True)
         nets.append((path, cfg, precision, model, seed))
     table = core.Table(["seed", "mode", "accuracy", "tta_share", "seconds", "±"], width=12)
     results = []
