@@ -173,10 +173,12 @@ def settings_difference(there, here):
 def format_flops(flops):
     """Training FLOPs as the records table gives them (0.265 PF), in TF or GF below 0.01 PF (a subset or narrow
     net would otherwise read "0.000 PF")."""
-    if flops >= 1e13:
+    shown = float(f"{flops:.3g}")  # the unit of the value as printed: 9.996e11 is "1.00 TF", not "1000 GF"
+    if shown >= 1e13:
         return f"{flops / 1e15:.3f} PF"
-    value, unit = (flops / 1e12, "TF") if flops >= 1e12 else (flops / 1e9, "GF")
-    return f"{value:.{max(0, 2 - math.floor(math.log10(value))) if value > 0 else 0}f} {unit}"  # 3 digits
+    scale, unit = (1e12, "TF") if shown >= 1e12 else (1e9, "GF")
+    digits = max(0, 2 - math.floor(math.log10(shown / scale))) if shown > 0 else 0  # 3 significant digits
+    return f"{flops / scale:.{digits}f} {unit}"
 
 
 def format_mean_std(mean, std, n, digits, scale=1.0, unit=""):

@@ -129,8 +129,11 @@ def warmup_knots(knots, values, warmup_epochs):
     if warmup_epochs == 0:
         return list(knots), list(values)
     end = knots[0] + warmup_epochs
-    later = [(k, v) for k, v in zip(knots, values) if k > end]
-    return [knots[0], end] + [k for k, _ in later], [0.0, schedule(end)] + [v for _, v in later]
+    at_end = [v for k, v in zip(knots, values) if k == end]
+    # a step at the end (a repeated knot): rise to the value before it, then step as the schedule does
+    later = ([(end, at_end[-1])] if len(at_end) > 1 else []) + [(k, v) for k, v in zip(knots, values) if k > end]
+    top = at_end[0] if at_end else schedule(end)
+    return [knots[0], end] + [k for k, _ in later], [0.0, top] + [v for _, v in later]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ def test_mean_std_against_statistics():
     assert all(math.isnan(v) for v in core.mean_std([]))
 
 
-@pytest.mark.parametrize("p", [0.6, 0.9, 0.975, 0.995])
+@pytest.mark.parametrize("p", [0.6, 0.9, 0.975, 0.995, 0.9995])
 def test_student_t_quantile_against_closed_forms(p):
     """df 1 (Cauchy) and 2 have closed-form quantiles, df 3 a closed-form CDF; many df: the normal's."""
     assert core.student_t_quantile(p, 1) == pytest.approx(math.tan(math.pi * (p - 0.5)), rel=1e-9)
@@ -105,7 +105,7 @@ def test_paired_difference_cancels_what_each_pair_shares():
     d = b - a
     assert plain["se"] == pytest.approx(d.std(ddof=1) / math.sqrt(6))
     half = core.student_t_quantile(0.975, 5) * plain["se"]
-    assert plain["ci"] == pytest.approx((d.mean() - half, d.mean() + half))
+    assert plain["ci"] == pytest.approx((d.mean() - half, d.mean() + half)) and plain["df"] == 5
     assert core.mean_difference(list(a + luck), list(b + luck))["se"] > 5 * plain["se"]
     assert math.isnan(core.paired_difference([1.0], [2.0])["se"])
     assert math.isnan(core.mean_difference([1.0], [2.0, 3.0])["se"])
@@ -291,6 +291,7 @@ def test_git_commit_ignores_logs_and_flags_code_changes(tmp_path):
     sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
     core.git_commit.cache_clear()
     (tmp_path / "logs" / "trials.jsonl").write_text("{}\n{}\n")  # a study appending to its log
+    (tmp_path / "scratch.txt").write_text("notes\n")  # untracked: no code it imported
     assert core.git_commit(str(tmp_path)) == sha
     core.git_commit.cache_clear()
     (tmp_path / "code.py").write_text("x = 2\n")
@@ -426,3 +427,93 @@ def test_distinct_logs_reads_a_link_to_a_log_as_that_log(tmp_path):
     paths, repeated = core.distinct_logs(given)
     assert paths == [given[inodes.index(i)] for i in dict.fromkeys(inodes)] == [str(a), str(b)]
     assert repeated == [f"{str(a)} (given twice)", f"{str(b)} (given twice)"]
+
+
+def test_table_rounds_to_four_decimals_and_never_cuts_a_number_to_its_width():
+    """A cell wider than its column widens the row rather than losing digits; floats are rounded (not cut) to 4
+    decimals, and from 1000 on to 1."""
+    lines = []
+    table = core.Table(["acc", "time"], width=6, out=lines.append)
+    table.row({"acc": 0.94126, "time": 123.45678})
+    table.row({"acc": 0.5, "time": 12345.678})
+    assert lines[1:] == ["0.9413 123.4568", "0.5000 12345.7"]
+
+
+def test_format_flops_at_its_unit_boundaries():
+    """1e13 FLOPs is 0.010 PF (the records table's unit from there on), 1e12 is 1.00 TF, just below is GF."""
+    assert [core.format_flops(f) for f in (1e13, 1e12, 9.99e11, 5e8)] == ["0.010 PF", "1.00 TF", "999 GF", "0.500 GF"]
+    # just below a unit, a value whose 3 digits round up to the next is printed in that one (was "1000 GF", "100.0
+    # GF" and "10.00 TF": 4 digits in the unit below)
+    assert [core.format_flops(f) for f in (9.996e11, 99.96e9, 9.9996e12, 0)] == ["1.00 TF", "100 GF", "0.010 PF",
+                                                                                  "0 GF"]
+
+
+def test_progress_pads_a_shorter_line_over_the_longer_one_before_it():
+    """What the terminal shows after the carriage returns (each overwriting from column 0) is the newest line
+    alone, with no characters of a longer line before it left at its end."""
+    now = [0.0]
+    out = io.StringIO()
+    p = core.Progress(out, every_s=1.0, clock=lambda: now[0])
+    p.start("epoch 1", 1000)
+    now[0] += 125.0
+    p.update(1)  # 125 s each, 999 to go: "~34h41m"
+    now[0] += 5.0
+    p.update(999)  # 0.13 s each, 1 to go: "~0m00s", a shorter line
+    screen = []
+    for part in out.getvalue().split("\r"):
+        screen[:len(part)] = part
+    assert "".join(screen).rstrip() == "epoch 1: 999/1000 (0.13 s each, ~0m00s to go)"
+
+
+def test_welch_interval_of_samples_without_spread_is_the_difference_itself():
+    """Both variants bit-for-bit alike across seeds (deterministic runs): no spread, and no NaN interval."""
+    d = core.mean_difference([1.0, 1.0], [3.0, 3.0, 3.0])
+    assert d["diff"] == 2.0 and d["se"] == 0.0 and d["ci"] == (2.0, 2.0)
+
+
+def test_parse_overrides_reads_numbers_tuples_booleans_and_none_as_python_would():
+    """Negative and exponent numbers, booleans and None as the literals Python reads; words, text with spaces
+    and text holding '=' stay strings, only keys get '-' as '_'."""
+    got = core.parse_overrides(["lr=-1e-3", "lr-decay=1e-3", "widths=(1,2)", "ema=True", "tta=None",
+                                "mode=none", "label=my run", "note=a=b", "tag=fp-32"])
+    want = dict(lr=-0.001, lr_decay=0.001, widths=(1, 2), ema=True, tta=None, mode="none", label="my run",
+                note="a=b", tag="fp-32")
+    assert got == want and [type(v) for v in got.values()] == [type(v) for v in want.values()]
+
+
+def test_field_problem_checks_optional_fields_that_are_there():
+    """Optional means "may be absent", not "unchecked"; JSON's true is no number and 0 is a whole number >= 0."""
+    fields = dict(trial=(lambda v: core.is_whole(v, 0), "a whole number >= 0", True),
+                  best=(lambda v: v is None or core.is_number(v), "null or a number", False))
+    assert core.field_problem(dict(trial=0), fields) is None
+    assert core.field_problem(dict(trial=0, best=None), fields) is None
+    assert core.field_problem(dict(trial=0, best="x"), fields, "r.") == '"r.best" is "x", not null or a number'
+    assert core.field_problem(dict(best=1.0), fields) == 'no "trial"'
+    assert [core.is_number(v) for v in (True, 1, 0.5, math.nan, math.inf)] == [False, True, True, False, False]
+    assert [core.is_whole(v, 1) for v in (1, 0, True, 1.0)] == [True, False, False, False]
+
+
+def test_settings_are_compared_by_full_dotted_key_and_nested_tuples_as_lists():
+    assert dict(core.flatten(dict(a=dict(b=dict(c=1)), d=2))) == {"a.b.c": 1, "d": 2}
+    assert core.differing_keys([dict(w=((1, 2), (3, 4))), dict(w=[[1, 2], [3, 4]])]) == []
+
+
+def test_utc_timestamp_is_utc_whatever_the_local_time_zone(monkeypatch):
+    import datetime
+    monkeypatch.setenv("TZ", "Asia/Kolkata")  # +05:30 all year
+    time.tzset()
+    try:
+        stamp = core.utc_timestamp()
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    parsed = datetime.datetime.fromisoformat(stamp)
+    assert parsed.utcoffset() == datetime.timedelta(0) and parsed.microsecond == 0 and len(stamp) == 25
+
+
+def test_folder_option_leaves_no_folder_as_no_folder_and_refuses_a_file(tmp_path):
+    import argparse
+    assert core.folder_option("") == "" and core.folder_option(str(tmp_path)) == str(tmp_path)
+    (tmp_path / "f").write_text("")
+    with pytest.raises(argparse.ArgumentTypeError, match="cannot write there"):
+        core.folder_option(str(tmp_path / "f" / "logs"))

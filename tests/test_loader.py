@@ -332,3 +332,37 @@ def test_png_cache_is_not_fooled_by_a_reused_id(monkeypatch):
     b = synthetic(n_train=4, seed=2)["train_x"]
     encoded = pipeline.encode_pngs(b)
     assert np.array_equal(np.stack([encoded.decode(i) for i in range(4)]), b)
+
+
+@pytest.mark.parametrize("mode, factor", [("none", 1), ("example-before-aug", 2), ("example-after-aug", 2),
+                                          ("batch", 2)])
+def test_flip_none_never_flips_and_random_flips_half(mode, factor):
+    """Guards against flip="none" flipping, or "random" never flipping, in the workers or (example-before-aug)
+    in the echo stage's own draws; the images are checked against the reference with those flips."""
+    data = loader_data(n=40)
+    for flip in ("none", "random"):
+        stream = stream_of(data, flip=flip, echo=mode, echo_factor=factor)
+        flips = []
+        for _ in range(6):
+            x, _ = stream.next_batch()
+            assert torch.equal(x, tb.augment_reference(data["train_x"], stream.last["index"], stream.last, cutout=0))
+            flips.append(stream.last["flip"])
+        flips = torch.cat(flips)
+        if flip == "none":
+            assert not flips.any()
+        else:  # 120 fair coins: 0.5 +- 0.05 sd
+            assert 0.3 < flips.float().mean() < 0.7
+        stream.close()
+
+
+def test_every_upstream_batch_draws_its_own_augmentations():
+    """Guards against worker seeds that repeat across upstream batches (the same crops and cutouts every few
+    batches or every pass): over three passes no two upstream batches have the same draws."""
+    stream = stream_of(loader_data(n=100, pad=4), pad=4, cutout=8, batch_size=25)
+    draws = {}
+    for _ in range(12):
+        stream.next_batch()
+        last = stream.last
+        draws[int(last["upstream"][0])] = tuple(tuple(last[k].tolist()) for k in pipeline.AUG_KEYS)
+    stream.close()
+    assert sorted(draws) == list(range(12)) and len(set(draws.values())) == 12

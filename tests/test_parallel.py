@@ -648,6 +648,20 @@ def test_cost_model_command_prints_two_tables():
     assert "crossover by gradient size" in out.stdout and len(out.stdout.splitlines()) == 12, out.stdout
 
 
+def test_cost_model_command_converts_gbit_per_s_and_microseconds(capsys):
+    """Guards the CLI's unit conversions (Gbit/s to bytes/s, us to s, MB to bytes): times worked out by hand."""
+    parallel.main(["cost-model", "--grad-mb", "1", "--group-size", "2", "--intra-gbps", "8", "--inter-gbps", "8",
+                   "--intra-latency-us", "1", "--inter-latency-us", "10", "--max-ranks", "4", "--sweep-mb", "1"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:4]]
+    # 1e6 bytes at 8 Gbit/s = 1 GB/s. One group of 2: 2 * 1 us + 2 * 1/2 * 1 ms = 1.002 ms for both schemes.
+    # Two groups: flat ring of 4 paced by the inter link, 6 * 10 us + 6/4 * 1 ms = 1.56 ms; 2-D: 1.002 ms in the
+    # group + a ring of 2 over 0.5 MB at 0.5 GB/s (one NIC, two rings), 2 * 10 us + 1 ms = 1.02 ms.
+    expected = [(2, 1, 1.002, 1.002), (4, 2, 1.56, 2.022)]
+    for row, (ranks, groups, ring_ms, two_d_ms) in zip(rows, expected):
+        assert (int(row[0]), int(row[1])) == (ranks, groups)
+        assert float(row[2]) == pytest.approx(ring_ms, rel=1e-3) and float(row[3]) == pytest.approx(two_d_ms, rel=1e-3)
+
+
 def test_cost_model_speedups_are_the_flat_time_over_the_2d_time():
     """A speed-up above 1 must mean 2-D is faster: each printed one against the two times computed here."""
     links = (8, 5e-6, 300e9, 1e-5, 25e9)
@@ -714,3 +728,17 @@ def test_cost_model_refuses_values_that_are_not_finite_or_too_large(capsys, args
     out, err = capsys.readouterr()
     assert e.value.code == 2 and out == "" and f"error: {message}" in err and time.perf_counter() - started < 5
     assert [line for line in err.splitlines() if "error" in line] == [err.splitlines()[-1]]
+
+
+@pytest.mark.parametrize("knots, values, warmup", [([0, 5, 5, 10], [1.0, 1.0, 0.5, 0.0], 5),
+                                                   ([0, 2, 2, 6], [0.4, 1.2, 0.3, 0.0], 2),
+                                                   ([0, 3, 10], [0.2, 1.0, 0.0], 3), ([0, 3, 10], [0.2, 1.0, 0.0], 4)])
+def test_warmup_follows_the_schedule_after_its_end_steps_included(knots, values, warmup):
+    """Linear from 0 to the schedule's value at the end of the warm-up (before a step there), then the schedule
+    itself: a step at the warm-up's end was lost, leaving twice the LR until the next knot."""
+    original = core.piecewise_linear(knots, values)
+    warmed = core.piecewise_linear(*parallel.warmup_knots(knots, values, warmup))
+    before_end = original(warmup - 1e-9)
+    for x in np.linspace(0, knots[-1], 41):
+        expected = before_end * x / warmup if x < warmup else original(x)
+        assert warmed(x) == pytest.approx(expected, abs=1e-6), x

@@ -184,3 +184,26 @@ def test_a_fractional_factor_is_met_on_average_without_rounding():
     assert set(counts.tolist()) == {1, 2}
     # a third of the items twice: sd of the mean sqrt(2/9 / n) < 0.001; rounding to 0.1 would be 0.033 off
     assert len(items) / n == pytest.approx(4 / 3, abs=0.004)
+
+
+@pytest.mark.parametrize("order_of", [pipeline.shuffle_buffer_order, streamed_order], ids=["order", "streaming"])
+def test_a_full_buffer_emits_any_resident_with_equal_chance(order_of):
+    """Guards against a replaced slot drawn from too few residents (randint(0, size - 1) never evicts the last):
+    fed size + 1 items, the first out is the resident the new item replaced, each of the size with chance 1/size."""
+    size, trials = 8, 2000
+    counts = collections.Counter(int(order_of(size + 1, size, gen(seed))[0]) for seed in range(trials))
+    assert set(counts) == set(range(size))  # never the new item, which entered after the pick
+    assert all(abs(c - trials / size) < 5 * (trials / size * (1 - 1 / size)) ** 0.5 for c in counts.values())
+
+
+@pytest.mark.parametrize("mode, factor", [("none", 1), ("example-before-aug", 2), ("example-after-aug", 2),
+                                          ("batch", 2)])
+def test_flip_none_never_flips_and_random_flips_half(mode, factor):
+    """Guards against flip="none" being drawn like "random" (or "random" not flipping) in any echo mode."""
+    for flip in ("none", "random"):
+        stream = stream_of(64, dict(CFG, flip=flip, echo=mode, echo_factor=factor), gen(4))
+        flips = torch.cat([stream.next_indices()[1]["flip"] for _ in range(20)])  # over more than one pass
+        if flip == "none":
+            assert not flips.any()
+        else:  # 160 fair coins: 0.5 +- 0.04 sd
+            assert 0.3 < flips.float().mean() < 0.7
