@@ -148,6 +148,17 @@ class Table:
 CIFAR10_TRAIN_IMAGES = 50000  # for checks made before the data is loaded (the loaded count is checked again)
 
 
+def distinct_values(option, given, show=str):
+    """The values of a command-line list option, each once, in the order given; a note on stderr names those given
+    more than once (each would be trained, and counted, once per mention)."""
+    values = list(dict.fromkeys(given))
+    twice = [v for v in values if given.count(v) > 1]
+    if twice:
+        print(f"note: {option} {' '.join(map(show, twice))} given more than once; each is studied once",
+              file=sys.stderr)
+    return values
+
+
 def flatten(d, prefix=""):
     """(dotted key, value) of a nested dict's leaves: {"overrides": {"epochs": 2}} -> ("overrides.epochs", 2)."""
     for k, v in d.items():

@@ -335,7 +335,6 @@ def read_trials(path, repair=False, warn=lambda m: print(m, file=sys.stderr)):
     return records
 
 
-
 def describe_params(p):
     bits = [f"lr_eff {p['lr_eff']:.3g}"] + ([f"m {p['momentum']:.3f}"] if p["momentum"] else [])
     # both fractions, not absolute values: of the trial's step budget, and of the peak LR at the budget's end
@@ -826,12 +825,7 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.command == "run":
         w = WORKLOADS[args.workload]
-        given = args.batch_sizes or list(w["batch_sizes"])
-        args.batch_sizes = sorted(set(given))
-        if len(args.batch_sizes) < len(given):  # (the data-echo study's --factors and --modes alike)
-            twice = sorted(b for b in args.batch_sizes if given.count(b) > 1)
-            print(f"note: --batch-sizes {' '.join(map(str, twice))} given more than once; each is studied once",
-                  file=sys.stderr)
+        args.batch_sizes = core.distinct_values("--batch-sizes", sorted(args.batch_sizes or w["batch_sizes"]))
         if min(args.batch_sizes) < 1 or args.trials < 1:
             p.error("batch sizes and --trials must be positive")
         if any(not 0 <= t < args.trials for t in args.trial_order):

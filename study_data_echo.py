@@ -168,7 +168,6 @@ def read_results(path, repair=False, warn=lambda m: print(m, file=sys.stderr)):
     return records
 
 
-
 def plan(modes, factors, seeds):
     """(mode, factor, seed) in the order they run: all settings of one seed before the next seed."""
     runs = []
@@ -386,15 +385,8 @@ def parse_args(argv):
     p.add_argument("--remeasure-r", action="store_true", help="measure R again although OUT/r.json has it")
     p.add_argument("--verbose", action="store_true", help="print every run's per-epoch table")
     args = p.parse_args(argv)
-    # A value given twice was trained (and counted) once per mention: dropped, saying so, as study_batch_size.py
-    # does with --batch-sizes.
-    for name in ("modes", "factors"):
-        given = getattr(args, name)
-        setattr(args, name, list(dict.fromkeys(given)))
-        twice = [v for v in getattr(args, name) if given.count(v) > 1]
-        if twice:
-            print(f"note: --{name} {' '.join(f'{v:g}' if name == 'factors' else v for v in twice)} given more than "
-                  "once; each is studied once", file=sys.stderr)
+    args.modes = core.distinct_values("--modes", args.modes)
+    args.factors = core.distinct_values("--factors", args.factors, show=lambda f: f"{f:g}")
     if any(f < 1 for f in args.factors) or args.seeds < 1:
         p.error("factors must be >= 1 and --seeds >= 1")
     if args.no_r and args.remeasure_r:  # (--no-r won: R was silently not measured)
