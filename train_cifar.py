@@ -74,7 +74,7 @@ COMMON = dict(
     whiten_bias_fast=True,
     # Data selection: each step draws batch_size / select_fraction candidates and trains on the batch_size of them
     # with the highest loss under a proxy, a small fastnet trained alongside (as airbench96): it scores every
-    # step's candidates and takes an SGD step of its own on the chosen ones every proxy_every steps.
+    # step's candidates and takes a step of its own (the run's optimizer) on the chosen ones every proxy_every steps.
     # select_by "loss": no proxy; each candidate is scored by the net's own loss on it the last time it was
     # trained on (never-trained ones first), so scoring costs nothing and the dropped ones are never augmented.
     select_fraction=1.0, select_by="proxy", proxy_widths=(32, 64, 64), proxy_every=4,
@@ -670,9 +670,10 @@ def proxy_config(cfg):
 class Proxy:
     """Data selection as airbench96 does it: the proxy trains alongside the run on the same candidate batches.
     Each step it scores the candidates in train mode (batch statistics, the run's label-smoothed loss) and the
-    run keeps the `keep` with the highest loss; every `every`-th step the proxy takes an SGD step on the mean of
-    those losses, at the run's LR. Its whitening bias stays frozen (at 0). Under torchrun each process selects
-    from its own slice of the candidates with a proxy trained on that slice."""
+    run keeps the `keep` with the highest loss; every `every`-th step the proxy takes a step of the run's optimizer
+    (SGD, or Muon for its filters) on the mean of those losses, at the run's LR. Its whitening bias stays frozen
+    (at 0). Under torchrun each process selects from its own slice of the candidates with a proxy trained on
+    that slice."""
 
     def __init__(self, cfg, data, generator, device, precision):
         self.cfg, self.precision, self.device = proxy_config(cfg), precision, device
@@ -1124,6 +1125,12 @@ def check_runnable(cfg, n_train, device=None, world=1):
         raise ValueError(f"batch size {candidate_batch_size(cfg)}{drawn} exceeds the {left} training images{held}")
 
 
+def logged_cpu_conv(mode, device):
+    """What a run's log says of --cpu-conv: on a CPU the kernels it took (auto resolved); elsewhere, where the
+    option does nothing (PyTorch's kernels run), the option as given."""
+    return tb.resolve_cpu_conv(mode) if device.type == "cpu" else mode
+
+
 def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=print, log_dir=None, checkpoint=None,
           progress=None, **overrides):
     """Runs one configuration (cfg['runs'] seeds) and returns the summary that is also written as JSON.
@@ -1135,7 +1142,6 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
     progress: a core.Progress for the steps within each epoch; None: one on stderr if it is a terminal; False: none.
     Under torchrun every process calls this; only rank 0 prints and writes logs."""
     cfg = make_config(preset, **overrides)
-    cfg["cpu_conv"] = tb.resolve_cpu_conv(cfg["cpu_conv"])  # the log says which kernels ran
     # Before joining the process group, on every rank: a bad combination, or a log folder that cannot be written
     # (no run may end on a log it cannot write), then fails each rank on its own; none waits for another.
     check_distributed(cfg, int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ else 1)
@@ -1153,6 +1159,7 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
     if device is None and world > 1 and torch.cuda.is_available():
         device = f"cuda:{local_rank}"
     device = tb.resolve_device(device)
+    cfg["cpu_conv"] = logged_cpu_conv(cfg["cpu_conv"], device)
     precision = tb.resolve_precision(cfg["precision"], device)
     if cfg["sync_check"] and device.type != "cuda":
         raise ValueError(f"sync-check is for CUDA devices (torch checks host synchronisation there), not {device}")
@@ -1472,7 +1479,7 @@ OPTION_HELP = dict(
     select_fraction="data selection: train on this fraction of each step's candidates, the hardest (1: off)",
     select_by="data selection scores candidates by a proxy net's loss (proxy) or their own last loss (loss)",
     proxy_widths="data selection: the proxy fastnet's three widths",
-    proxy_every="data selection: the proxy takes an SGD step every this many steps",
+    proxy_every="data selection: the proxy takes a training step every this many steps",
     pipeline="device (batched augmentation on the device) or loader (per-image DataLoader workers)",
     loader_workers="pipeline loader: DataLoader worker processes",
     echo="data echoing: none, example-before-aug, example-after-aug or batch",

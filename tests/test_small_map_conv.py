@@ -143,3 +143,12 @@ def test_a_run_logs_the_cpu_conv_kernels_it_took(tmp_path):
             summary = train_cifar.train("fast94", data=data, device="cpu", log=lambda *a: None, log_dir=None,
                                         widths=(8, 16, 16), batch_size=32, epochs=1, train_sizes=(), precision="fp32")
         assert summary["config"]["cpu_conv"] == kernels
+
+
+def test_a_gpu_run_logs_cpu_conv_as_given():
+    """On a GPU the option does nothing (PyTorch's kernels run), so its log must not name the host CPU's choice:
+    the H200 logs of 2026-12-04 said 'matmul'."""
+    with mock.patch.object(tb, "cpu_flags", return_value={"amx_bf16"}):
+        assert train_cifar.logged_cpu_conv("auto", torch.device("cpu")) == "matmul"
+        for mode in tb.CPU_CONV_MODES:
+            assert train_cifar.logged_cpu_conv(mode, torch.device("cuda:0")) == mode
