@@ -187,7 +187,7 @@ PRESETS = {
     # from the start, synced into the net at the end only, as airbench95. 1.33 PF a run (counted). bf16, 2-core CPUs:
     # 95.04 ± 0.05% (n=5: 94.98, 95.08, 95.06 on an AMX Xeon, 49-69 min a run; 94.98, 95.08 on a Zen 4, 60-62 min),
     # logs/fast95-20261201-134755-16770, -145223-17524, -162455-24316 and -20261203-075221-11179. fast94's Muon
-    # recipe on these blocks (LR 1.4, weight decay 2.9e-3, 15 epochs, 1.13 PF) gave 94.97 +- 0.15% (n=3,
+    # recipe on these blocks (LR 1.4, weight decay 2.9e-3, 15 epochs, 1.13 PF) gave 94.97 ± 0.15% (n=3,
     # logs/fast94-20261202-164255-13787): under 95%, so not adopted. NVIDIA H200, compiled: 95.06 ± 0.10% (n=5),
     # 5.39 ± 0.03 s a run, logs/fast95-20261204-102102-2288.
     "fast95": dict(
