@@ -109,7 +109,9 @@ class BatchStream:
 
     def _new_pass(self):
         cfg, gen = self.cfg, self.gen
-        self.fresh_before_pass = self.fresh_read  # a dropped incomplete last batch was never read
+        # a dropped incomplete last batch was never read; counted on the device (a 0-d tensor after the first
+        # pass): reading it here would make the first step of every pass wait for the GPU (--sync-check)
+        self.fresh_before_pass = self._fresh_count()
         self.passes += 1
         fresh = torch.randperm(self.n, generator=gen, device=self.device)
         items, aug_ids, first = echo_pass(fresh, self.mode, self.factor, cfg["batch_size"], gen)
@@ -160,12 +162,17 @@ class BatchStream:
         sl = slice(lo, hi)
         return self._augmented(idx[sl], {k: v[sl] for k, v in aug.items()})
 
-    @property
-    def fresh_read(self):
+    def _fresh_count(self):
+        """fresh_read without reading the device: an int before the first pass, else a 0-d tensor."""
         if self.items is None:
             return 0
         read_up_to = min(self.pos + self.buffer, len(self.items))
-        return self.fresh_before_pass + (int(self.first_cum[read_up_to - 1]) if read_up_to else 0)
+        return self.fresh_before_pass + (self.first_cum[read_up_to - 1] if read_up_to else 0)
+
+    @property
+    def fresh_read(self):
+        """(A read on the host: outside the training steps only.)"""
+        return int(self._fresh_count())
 
 
 # ---------------------------------------------------------------------------------------------------------------

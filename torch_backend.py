@@ -811,6 +811,11 @@ def newton_schulz_grouped(mats, steps=5):
     return out
 
 
+# torch.compile's modes that also record CUDA graphs on a GPU (torch._inductor.list_mode_options sets
+# "triton.cudagraphs" in these): not only reduce-overhead, max-autotune too
+CUDA_GRAPH_COMPILE_MODES = ("reduce-overhead", "max-autotune")
+
+
 def closure_loss(closure):
     """What an optimizer's step(closure) returns: the loss that the closure recomputes with gradients, or None."""
     if closure is None:
@@ -864,10 +869,11 @@ class Muon(torch.optim.Optimizer):
 
     compiled=True runs each group's update as one torch.compile'd graph (in compile_mode): eager, a small net's
     step is hundreds of tiny kernels, each costing more to launch than to run on a GPU. With compile_mode
-    "reduce-overhead" the graph is also a CUDA graph, replayed in one launch; it updates the momentum buffers in
-    place, which inductor allows only in tensors marked as having fixed addresses (the weights are, as
-    parameters), so the buffers, LR tensors and norms are marked. Call warm_up() after a backward pass, before
-    timing: it compiles (and records) the update on the real tensors, then puts the weights and state back."""
+    "reduce-overhead" (or "max-autotune": CUDA_GRAPH_COMPILE_MODES) the graph is also a CUDA graph, replayed in
+    one launch; it updates the momentum buffers in place, which inductor allows only in tensors marked as having
+    fixed addresses (the weights are, as parameters), so the buffers, LR tensors and norms are marked. Call
+    warm_up() after a backward pass, before timing: it compiles (and records) the update on the real tensors, then
+    puts the weights and state back."""
 
     def __init__(self, params, lr, momentum=0.9, nesterov=True, weight_decay=0.0, orthogonalize=False,
                  ns_steps=5, norm="none", compiled=False, compile_mode="default"):
@@ -877,7 +883,7 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                                       orthogonalize=orthogonalize, ns_steps=ns_steps, norm=norm))
         self.compiled = compiled
-        self.fixed_addresses = compiled and compile_mode == "reduce-overhead"
+        self.fixed_addresses = compiled and compile_mode in CUDA_GRAPH_COMPILE_MODES
         if compiled:  # dynamo keeps 8 graphs of a function per process, and each set of filter shapes (a net's
             # widths, the proxy's) takes up to one per group and mode: a third width would pass that, and a
             # fullgraph compile past the limit fails

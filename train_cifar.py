@@ -43,7 +43,8 @@ COMMON = dict(
     loss_scale="batch",
     compile=False, widths=(),
     # torch.compile's mode for the net with --compile: "default", or "reduce-overhead" (CUDA graphs: the step's
-    # kernels replayed in one launch) or "max-autotune-no-cudagraphs" (kernel choices timed while compiling)
+    # kernels replayed in one launch) or "max-autotune-no-cudagraphs" (kernel choices timed while compiling);
+    # "max-autotune" is both (tb.CUDA_GRAPH_COMPILE_MODES)
     compile_mode="default",
     # CUDA only: any host synchronisation inside the training steps is an error (torch.cuda.set_sync_debug_mode), the
     # check that the loop never waits on the GPU (the per-epoch totals and evaluations are outside it)
@@ -551,17 +552,21 @@ def train_step(cfg, step_fn, opt, x, y, precision, device, scaler=None):
 
 
 def uses_cuda_graphs(cfg):
-    return cfg["compile"] and cfg["compile_mode"] == "reduce-overhead"
+    return cfg["compile"] and cfg["compile_mode"] in tb.CUDA_GRAPH_COMPILE_MODES
 
 
 def forward_backward(cfg, model, step_fn, x, y, precision, device):
     """A training step without its update (to compile or time it): on fresh gradients, since under CUDA graphs
     the last backward's .grad is overwritten by the next replay (accumulating into it failed on the H200 at
-    3a9ff96, "accessing tensor output of CUDAGraphs"; pytorch/pytorch#169545 is this failure)."""
+    3a9ff96, "accessing tensor output of CUDAGraphs"; pytorch/pytorch#169545 is this failure). Returns the
+    net's output: a step holds it through its update, and a CUDA graph recorded with it freed is not replayed
+    while it lives (cudagraph trees check which outputs are dead), so the warm-up must hold it as long."""
     if uses_cuda_graphs(cfg):
         torch.compiler.cudagraph_mark_step_begin()
     model.zero_grad(set_to_none=True)
-    forward_loss(cfg, step_fn, x, y, precision, device)[1].backward()
+    out, loss = forward_loss(cfg, step_fn, x, y, precision, device)
+    loss.backward()
+    return out
 
 
 def warm_up_batches(n, sizes, precision, device):
@@ -599,9 +604,10 @@ def warm_up_compile(cfg, model, device, precision, world, opt=None):
             for x, y in batches:
                 # CUDA graphs are recorded at a graph's second or third call, not its first
                 for _ in range(3 if uses_cuda_graphs(cfg) else 1):
-                    forward_backward(cfg, model, step_fn, x, y, precision, device)
+                    out = forward_backward(cfg, model, step_fn, x, y, precision, device)  # held as a step holds it
                     if hasattr(opt, "warm_up"):  # a compiled Muon: after the backward, as in a step
                         opt.warm_up()
+                    del out
         if before is not None:
             model.whiten.bias.requires_grad_(before)
 
@@ -867,6 +873,17 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
         parallel.convert_bn(model, cfg["bn_group_size"])
     if world > 1 and cfg["sync_bn_group_size"]:
         parallel.convert_sync_bn(model, parallel.bn_process_groups(world, cfg["sync_bn_group_size"]))
+    state = None
+    if checkpoint and os.path.exists(checkpoint):
+        state = load_checkpoint(checkpoint, device)
+        why = checkpoint_mismatch(state, cfg, seed, precision, fingerprint)
+        if why:
+            raise ValueError(f"checkpoint {checkpoint} {why}")
+        # before compiling: loading the optimizer replaces its buffers, and a CUDA graph recorded on the old ones
+        # would be recorded again in the timed steps
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        scaler.load_state_dict(state["scaler"])
     if cfg["compile"]:  # building the net and fitting the whitening stay timed; compiling does not
         timer()
         t = time.perf_counter()
@@ -875,12 +892,6 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
         log(f"compiled the training step in {time.perf_counter() - t:.1f} s (outside the timer)")
     step_fn = make_step_fn(cfg, model, world)
     ema = WeightEMA(model, cfg["ema_decay"], cfg["ema_every"]) if cfg["ema_every"] else None
-    state = None
-    if checkpoint and os.path.exists(checkpoint):
-        state = load_checkpoint(checkpoint, device)
-        why = checkpoint_mismatch(state, cfg, seed, precision, fingerprint)
-        if why:
-            raise ValueError(f"checkpoint {checkpoint} {why}")
     proxy = Proxy(cfg, data, gen, device, precision) if uses_proxy(cfg) else None  # timed
     if proxy is not None and cfg["compile"]:
         timer()
@@ -897,9 +908,6 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
     local_candidates = stream_cfg["batch_size"] // world
     step, start_epoch = 0, 1
     if state is not None:
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        scaler.load_state_dict(state["scaler"])
         if state["lookahead"] is not None:
             lookahead = Lookahead(model)
             lookahead.avg = state["lookahead"]
@@ -1125,6 +1133,20 @@ def check_runnable(cfg, n_train, device=None, world=1):
         raise ValueError(f"batch size {candidate_batch_size(cfg)}{drawn} exceeds the {left} training images{held}")
 
 
+def host_reads_by_design(cfg, precision):
+    """What in a run's training steps reads values on the host, as designed (--sync-check refuses such a run)."""
+    reads = []
+    if cfg["echo"] != "none":
+        reads.append(f"data echoing (--echo {cfg['echo']})")
+    if cfg["echo_shuffle_buffer"]:
+        reads.append("the shuffle buffer (--echo-shuffle-buffer)")
+    if cfg["pipeline"] == "loader":
+        reads.append("the loader pipeline (--pipeline loader)")
+    if precision == "fp16" and cfg["loss_scale"] == "dynamic":  # GradScaler: an overflow flag every step
+        reads.append("fp16's dynamic loss scale (--loss-scale dynamic)")
+    return reads
+
+
 def logged_cpu_conv(mode, device):
     """What a run's log says of --cpu-conv: on a CPU the kernels it took (auto resolved); elsewhere, where the
     option does nothing (PyTorch's kernels run), the option as given."""
@@ -1163,6 +1185,9 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
     precision = tb.resolve_precision(cfg["precision"], device)
     if cfg["sync_check"] and device.type != "cuda":
         raise ValueError(f"sync-check is for CUDA devices (torch checks host synchronisation there), not {device}")
+    reads = host_reads_by_design(cfg, precision) if cfg["sync_check"] else []
+    if reads:
+        raise ValueError(f"sync-check would stop the first step: {' and '.join(reads)} read from the host by design")
     if data is None:
         data = tb.load_cifar10(data_path or default_data_path())
     data = tb.validate(dict(data), "data")

@@ -61,6 +61,7 @@ def measure(preset, device, steps, repeats, compile=False, overrides=None, break
     history = torch.full((N_TRAIN,), math.inf, device=device) if train_cifar.uses_loss_history(cfg) else None
     if proxy is not None and compile:  # as a run does: else the proxy's training compiles inside the timed steps
         proxy.warm_up(drawn, set(cfg["train_sizes"]) | {train_cifar.IMAGE_SIZE})  # (fast96: 55 ± 76 ms a step)
+    scaler = train_cifar.make_loss_scaler(cfg, precision, device)  # fp16: the run's loss scale (a step's own work)
     proxy_calls = [0]  # over warm-up and repeats, so a proxy_every-th of the timed steps train it
     losses = []  # a fast step is worth nothing if it computes NaN (as compiled resnet18 did on a CPU)
 
@@ -79,7 +80,7 @@ def measure(preset, device, steps, repeats, compile=False, overrides=None, break
         if proxy is not None:  # scoring, and the proxy's own training step every proxy_every steps, as in a run
             proxy_calls[0] += 1
             x, y = proxy.select(x, y, bs, 1e-3, train=proxy_calls[0] % cfg["proxy_every"] == 0)
-        out, loss = train_cifar.train_step(cfg, step_fn, opt, x, y, precision, device)
+        out, loss = train_cifar.train_step(cfg, step_fn, opt, x, y, precision, device, scaler)
         if history is not None:  # the run's bookkeeping: each trained example's loss, for its next choice
             train_cifar.record_losses(history, idx, out, y, cfg["label_smoothing"], 1)
         losses.append(loss.detach())

@@ -35,7 +35,7 @@ step() {  # step NAME SECONDS COMMAND...: run (killed after SECONDS), keep its o
     local name=$1 limit=$2; shift 2
     if [ -n "${DRY_RUN:-}" ]; then printf '%q ' "$@" >> "$DRY_RUN"; echo >> "$DRY_RUN"; return; fi
     echo "=== $name: $* ($(date -u +%H:%M:%S))" | tee -a "$REPORT"
-    timeout "$limit" "$@" 2>&1 | tee -a "$REPORT"
+    timeout -k 20 "$limit" "$@" 2>&1 | tee -a "$REPORT"
     echo "=== $name: exit ${PIPESTATUS[0]} ($(date -u +%H:%M:%S))" | tee -a "$REPORT"
     tar -czf "$OUT/gpu-logs.tar.gz" -C "$LOGS" .
 }
@@ -67,9 +67,10 @@ EOF
     [ -n "${SMOKE:-}" ] || step smoke-resnet9-tricks 60 python train_cifar.py --preset resnet9-tricks \
         --data /tmp/random-cifar.npz --device cuda --runs 1 --stop-after-epochs 1 --log-dir "$LOGS"
     # The training steps never wait on the GPU: under --sync-check any host synchronisation in them is an error
+    # (two epochs: every pass over the data after the first starts inside the steps)
     for p in ${SYNC_CHECK:-fast94 fast96}; do
         step "sync-check-$p" 90 python train_cifar.py --preset "$p" --data /tmp/random-cifar.npz --device cuda \
-            --compile true --sync-check true --runs 1 --stop-after-epochs 1 --log-dir "$LOGS"
+            --compile true --sync-check true --runs 1 --stop-after-epochs 2 --log-dir "$LOGS"
     done
     ! python -c "import pytest" 2>/dev/null || step tests-gpu 120 python -m pytest -q tests/test_gpu.py
     echo "done $(date -u +%H:%M:%S)" | tee -a "$REPORT"

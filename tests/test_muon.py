@@ -1,4 +1,6 @@
 """The Muon optimizer (torch_backend.Muon) against float64 references of its formulas."""
+import importlib
+
 import numpy as np
 import pytest
 import torch
@@ -213,6 +215,21 @@ def test_compiled_muon_matches_eager_muon_without_recompiling(mode):
     fixed += list(opt._lr.values())
     marked = [getattr(t, "_dynamo_static_input_type", None) is not None for t in fixed]
     assert marked == [mode == "reduce-overhead"] * len(fixed)
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"])
+def test_every_compile_mode_that_records_cuda_graphs_gets_their_fixed_addresses(mode):
+    """max-autotune records CUDA graphs on a GPU as reduce-overhead does (torch's own table of the modes says which):
+    its update's buffers must be marked as fixed addresses too, and the trainer's steps must mark each step's
+    start and record the graphs in the warm-up, else the recording falls into the timed steps."""
+    graphs = torch._inductor.list_mode_options(mode).get("triton.cudagraphs", False)
+    assert (mode in tb.CUDA_GRAPH_COMPILE_MODES) == graphs
+    opt = tb.Muon([torch.nn.Parameter(torch.ones(2, 2))], lr=0.1, compiled=True, compile_mode=mode)
+    assert opt.fixed_addresses == graphs
+    assert train_cifar.uses_cuda_graphs(dict(compile=True, compile_mode=mode)) == graphs
+    # (torch._dynamo.reset(), in conftest's teardown, imports the CUDA graph trees for a compiled update that never
+    # ran, registering a backend while it iterates over them: imported first, it runs)
+    importlib.import_module("torch._inductor.cudagraph_trees")
 
 
 def test_compiled_muon_trains_nets_of_many_widths_in_one_process():

@@ -4,6 +4,7 @@ import collections
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 
 import pipeline
 import torch_backend as tb
@@ -138,6 +139,26 @@ def test_a_pass_draws_its_augmentations_without_reading_the_device(mode, factor,
     gen = torch.Generator().manual_seed(1)
     items, aug_ids, _ = pipeline.echo_pass(torch.randperm(n, generator=gen), mode, factor, batch_size, gen)
     assert stream._augmentations(items) == int(aug_ids.max()) + 1
+
+
+class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Fails on a read of a tensor's value on the host (item, int, float, bool: on a GPU, a synchronisation)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise AssertionError("a value read on the host")
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_new_pass_reads_nothing_on_the_host():
+    """A pass's first batch counts the examples read before it on the device: int() of that count made the first
+    step of every pass after the first wait for the GPU, which --sync-check refuses. fresh_read (read at an epoch's
+    end, outside the steps) is as it was."""
+    stream = stream_of(40, CFG, gen())
+    with HostReads():
+        for _ in range(12):  # five batches a pass: into the third pass
+            stream.next_indices()
+    assert stream.passes == 3 and stream.fresh_read == 96
 
 
 @pytest.mark.parametrize("mode", ["example-after-aug", "batch", "example-before-aug"])

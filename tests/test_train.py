@@ -1,4 +1,5 @@
 import collections
+import contextlib
 import datetime
 import io
 import json
@@ -12,6 +13,7 @@ import time
 import numpy as np
 import pytest
 import torch
+import torch.utils._python_dispatch
 
 import core
 import torch_backend as tb
@@ -86,6 +88,24 @@ def test_bad_options_exit_2_with_one_line(tiny_npz, args, message):
     assert message in r.stderr and r.stderr.strip().count("\n") <= 1  # argparse adds a usage line at most
 
 
+@pytest.mark.parametrize("options, named", [
+    (dict(echo="batch", echo_factor=2.0), "data echoing (--echo batch)"),
+    (dict(echo="batch", echo_factor=2.0, echo_shuffle_buffer=64), "the shuffle buffer"),
+    (dict(pipeline="loader"), "the loader pipeline"),
+    (dict(precision="fp16", loss_scale="dynamic"), "fp16's dynamic loss scale"),
+])
+def test_sync_check_refuses_at_once_what_reads_the_host_by_design(monkeypatch, options, named):
+    """Not a failure at the first step on the GPU (a lease's minutes lost): before the data loads, naming why."""
+    monkeypatch.setattr(tb, "resolve_device", lambda device: torch.device("cuda"))
+    options = dict(dict(precision="bf16"), **options)
+    with pytest.raises(ValueError, match=r"^sync-check would stop the first step: .*read from the host by design") as e:
+        train_cifar.train("fast94", data_path="/nonexistent", log_dir=None, sync_check=True, **options)
+    assert named in str(e.value)
+    for preset in ("fast94", "fast96"):  # the presets, in either GPU precision (fp16's fixed scale), read nothing
+        for precision in ("bf16", "fp16"):
+            assert train_cifar.host_reads_by_design(train_cifar.make_config(preset), precision) == []
+
+
 def test_a_device_that_cannot_run_is_refused_saying_why(monkeypatch):
     """Not an AssertionError from deep in torch.cuda after the data has loaded."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -122,6 +142,48 @@ def test_cuda_sync_debug_sets_the_mode_for_the_block_and_puts_it_back(monkeypatc
         with tb.cuda_sync_debug(device, mode):
             pass
     assert len(modes) == before
+
+
+class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """On a CPU, what --sync-check refuses on a GPU: a tensor's value read on the host (item, int, float, bool) or
+    an op whose output size depends on the values (nonzero, boolean masks, repeat_interleave without output_size).
+    `paused` lets the loop's own allowed reads (a per-step evaluation) through."""
+    paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not HostReads.paused:
+            name = func._schema.name.split("::")[-1]
+            masked = name == "index" and any(i is not None and i.dtype == torch.bool for i in args[1])
+            unsized = name == "repeat_interleave" and func._overloadname != "self_int" and "output_size" not in kwargs
+            if name in ("_local_scalar_dense", "nonzero", "masked_select", "_unique2") or masked or unsized:
+                raise AssertionError(f"{func} reads the device on the host")
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("preset, options", [
+    ("fast94", dict(widths=(8, 16, 16), train_sizes=(24, 32))),  # Muon, resizing
+    ("fast96", dict(widths=(8, 16, 16), proxy_widths=(4, 8, 8))),  # proxy selection, lookahead
+])
+def test_the_training_steps_read_nothing_on_the_host(monkeypatch, preset, options):
+    """tests/test_gpu.py's check on a CPU: the steps of two epochs (so a second pass of the data starts inside them)
+    under HostReads where --sync-check would switch torch's sync debug mode to "error"."""
+    depth = [0]
+
+    @contextlib.contextmanager
+    def host_reads(device, mode):  # the outer block: the steps; the inner: an evaluation inside them
+        depth[0] += 1
+        paused, HostReads.paused = HostReads.paused, depth[0] > 1
+        try:
+            with HostReads() if depth[0] == 1 else contextlib.nullcontext():
+                yield
+        finally:
+            HostReads.paused, depth[0] = paused, depth[0] - 1
+    monkeypatch.setattr(tb, "cuda_sync_debug", host_reads)
+    summary = train_cifar.train(preset, data=synthetic(400, 100), device="cpu", log=lambda *a: None, log_dir=None,
+                                progress=False, batch_size=100, epochs=2, precision="fp32", eval_every_steps=3,
+                                **options)
+    assert summary["runs"][0]["accuracy"] is not None
 
 
 def test_epochs_alone_stretch_the_presets_lr_knots():
@@ -266,6 +328,36 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, preset, options):
     other = train_cifar.make_config(preset, **dict(options, epochs=3))
     with pytest.raises(ValueError, match=r"another configuration \(differs in epochs, lr_knots\)"):
         train_cifar.run_once(other, on_device, 0, 7, dev, "fp32", checkpoint=ckpt)
+
+
+def test_a_compiled_resume_warms_up_on_the_loaded_optimizer_state(tmp_path, monkeypatch):
+    """Loading a checkpoint replaces the optimizer's buffers, whose addresses a CUDA graph keeps: it must come
+    before the compile warm-up, else the update's graph is recorded again inside the timed steps. (The warm-up
+    and torch.compile stand in here: what counts is which buffers the warm-up sees.)"""
+    data = synthetic(400, 100)
+    cfg = train_cifar.make_config("resnet9", **TINY)
+    dev = torch.device("cpu")
+    on_device = tb.to_device(tb.validate(data, "tiny"), dev, torch.float32, pad=cfg["pad"])
+    ckpt = str(tmp_path / "run.pt")
+    train_cifar.run_once(dict(cfg, stop_after_epochs=1), on_device, 0, 7, dev, "fp32", checkpoint=ckpt,
+                         log=lambda *a: None)
+    saved = torch.load(ckpt, weights_only=False)["opt"]["state"]
+    seen = []
+
+    def warm_up(cfg, model, device, precision, world, opt=None):
+        seen.append({i: (s["momentum_buffer"], s["momentum_buffer"].clone()) for i, s in
+                     enumerate(opt.state[p] for g in opt.param_groups for p in g["params"])})
+    monkeypatch.setattr(train_cifar, "warm_up_compile", warm_up)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    opts = []
+    real = train_cifar.make_optimizer
+    monkeypatch.setattr(train_cifar, "make_optimizer", lambda *a, **k: opts.append(real(*a, **k)) or opts[-1])
+    train_cifar.run_once(dict(cfg, compile=True), on_device, 0, 7, dev, "fp32", checkpoint=ckpt, log=lambda *a: None)
+    assert len(seen) == 1 and set(seen[0]) == set(saved)
+    for i, (buf, at_warm_up) in seen[0].items():
+        assert torch.equal(at_warm_up, saved[i]["momentum_buffer"])  # the checkpoint's state ...
+        params = [p for g in opts[-1].param_groups for p in g["params"]]
+        assert opts[-1].state[params[i]]["momentum_buffer"] is buf  # ... in the tensors the steps went on with
 
 
 def test_stopped_run_follows_the_full_schedule_and_continues_to_the_uninterrupted_run(tmp_path):
