@@ -4,6 +4,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+import torch.utils._python_dispatch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -43,3 +44,20 @@ def synthetic(n_train=200, n_test=50, seed=0):
 @pytest.fixture
 def tiny():
     return synthetic()
+
+
+class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """On a CPU, what --sync-check refuses on a GPU: a tensor's value read on the host (item, int, float, bool) or
+    an op whose output size depends on the values (nonzero, boolean masks, repeat_interleave without output_size).
+    `paused` lets the loop's own allowed reads (a per-step evaluation) through."""
+    paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not HostReads.paused:
+            name = func._schema.name.split("::")[-1]
+            masked = name == "index" and any(i is not None and i.dtype == torch.bool for i in args[1])
+            unsized = name == "repeat_interleave" and func._overloadname != "self_int" and "output_size" not in kwargs
+            if name in ("_local_scalar_dense", "nonzero", "masked_select", "_unique2") or masked or unsized:
+                raise AssertionError(f"{func} reads the device on the host")
+        return func(*args, **kwargs)

@@ -4,10 +4,10 @@ import collections
 
 import pytest
 import torch
-import torch.utils._python_dispatch
 
 import pipeline
 import torch_backend as tb
+from conftest import HostReads
 
 CFG = dict(batch_size=8, pad=2, cutout=0, flip="random")
 
@@ -139,15 +139,6 @@ def test_a_pass_draws_its_augmentations_without_reading_the_device(mode, factor,
     gen = torch.Generator().manual_seed(1)
     items, aug_ids, _ = pipeline.echo_pass(torch.randperm(n, generator=gen), mode, factor, batch_size, gen)
     assert stream._augmentations(items) == int(aug_ids.max()) + 1
-
-
-class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
-    """Fails on a read of a tensor's value on the host (item, int, float, bool: on a GPU, a synchronisation)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            raise AssertionError("a value read on the host")
-        return func(*args, **(kwargs or {}))
 
 
 def test_a_new_pass_reads_nothing_on_the_host():

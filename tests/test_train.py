@@ -13,12 +13,11 @@ import time
 import numpy as np
 import pytest
 import torch
-import torch.utils._python_dispatch
 
 import core
 import torch_backend as tb
 import train_cifar
-from conftest import ROOT, synthetic
+from conftest import HostReads, ROOT, synthetic
 
 TINY = dict(widths=(8, 16, 16, 16), batch_size=50, epochs=2, precision="fp32", target=0.5)
 
@@ -142,23 +141,6 @@ def test_cuda_sync_debug_sets_the_mode_for_the_block_and_puts_it_back(monkeypatc
         with tb.cuda_sync_debug(device, mode):
             pass
     assert len(modes) == before
-
-
-class HostReads(torch.utils._python_dispatch.TorchDispatchMode):
-    """On a CPU, what --sync-check refuses on a GPU: a tensor's value read on the host (item, int, float, bool) or
-    an op whose output size depends on the values (nonzero, boolean masks, repeat_interleave without output_size).
-    `paused` lets the loop's own allowed reads (a per-step evaluation) through."""
-    paused = False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if not HostReads.paused:
-            name = func._schema.name.split("::")[-1]
-            masked = name == "index" and any(i is not None and i.dtype == torch.bool for i in args[1])
-            unsized = name == "repeat_interleave" and func._overloadname != "self_int" and "output_size" not in kwargs
-            if name in ("_local_scalar_dense", "nonzero", "masked_select", "_unique2") or masked or unsized:
-                raise AssertionError(f"{func} reads the device on the host")
-        return func(*args, **kwargs)
 
 
 @pytest.mark.parametrize("preset, options", [
