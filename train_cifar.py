@@ -996,15 +996,19 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
             lookahead.update(1.0)
         if proxy is not None:
             proxy.check()
-        totals = torch.stack([loss_sum, correct.float(), torch.tensor(float(seen), device=device)])
+        # and whether the net's state is finite: an update that overflowed at the epoch's last step leaves NaN
+        # weights behind a finite loss, and a NaN net scores 10% (every argmax 0), not a divergence
+        finite = torch.stack([t.isfinite().all() for t in model.state_dict().values() if t.is_floating_point()])
+        totals = torch.stack([loss_sum, correct.float(), torch.tensor(float(seen), device=device),
+                              finite.all().float()])
         if world > 1:
             torch.distributed.all_reduce(totals)
-        train_loss, train_acc = (totals[0] / totals[2]).item(), (totals[1] / totals[2]).item()  # one sync per epoch
+        train_loss, train_acc, finite_nets = torch.cat([totals[:2] / totals[2], totals[3:]]).tolist()  # one sync
         timer()
         epoch_time, trained = timer.total - epoch_start, timer.total
         truncated = step < total_steps and not stop and 0 < cfg["stop_after_epochs"] <= epoch
         last = step >= total_steps or stop or truncated
-        if not math.isfinite(train_loss):
+        if not math.isfinite(train_loss) or finite_nets < world:
             result.update(diverged=True, total_time_s=timer.total)
             rows.append(dict(run=run_index, epoch=epoch, lr=lr, train_loss=train_loss, train_acc=train_acc,
                              test_acc=float("nan"), epoch_time=epoch_time, total_time=timer.total,
@@ -1013,7 +1017,9 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
                 on_epoch(rows[-1])
             # fp16's fixed loss scale skips no overflowing step: GradScaler's would
             fp16_hint = " or --loss-scale dynamic" if isinstance(scaler, tb.FixedLossScale) else ""
-            raise Diverged(f"run {run_index} (seed {seed}) diverged: training loss is {train_loss} at epoch {epoch}; "
+            what = (f"training loss is {train_loss}" if not math.isfinite(train_loss)
+                    else "the net's weights or BN statistics are not finite")
+            raise Diverged(f"run {run_index} (seed {seed}) diverged: {what} at epoch {epoch}; "
                            f"try a lower --lr-values or another --precision{fp16_hint}")
         test_acc = None
         if last or (cfg["eval_every"] and epoch % cfg["eval_every"] == 0):

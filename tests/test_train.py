@@ -1432,6 +1432,29 @@ def test_fractional_epochs_are_taken_on_the_command_line():
     assert train_cifar.make_config(preset, **overrides)["lr_knots"] == (0, 2.5)
 
 
+def test_weights_made_nan_by_an_epochs_last_update_end_the_run_as_diverged(monkeypatch, tiny):
+    """Its loss was computed before the update, so it is finite; the net is not (with fp16's fixed loss scale an
+    overflow does this). Not a run that ends at the run's last step with 10% accuracy, every prediction class 0."""
+    make = train_cifar.make_optimizer
+
+    def breaking_at_the_last_step(cfg, model):
+        opt = make(cfg, model)
+        step, steps = opt.step, [0]
+
+        def step_then_break(*a, **k):
+            out = step(*a, **k)
+            steps[0] += 1
+            if steps[0] == 4:  # the run's last step (one epoch: 200 images at batch 50)
+                with torch.no_grad():
+                    next(model.parameters()).fill_(math.nan)
+            return out
+        opt.step = step_then_break
+        return opt
+    monkeypatch.setattr(train_cifar, "make_optimizer", breaking_at_the_last_step)
+    with pytest.raises(train_cifar.Diverged, match="weights or BN statistics are not finite at epoch 1"):
+        train_cifar.train("fast94", data=tiny, epochs=1, **dict(TINY_FAST, optimizer="sgd"))
+
+
 def test_an_infinite_training_loss_ends_the_run_as_diverged(monkeypatch, tiny):
     """Not only NaN: an epoch whose training loss is infinite (an overflow) is a diverged run too."""
     step = train_cifar.train_step
