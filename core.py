@@ -361,6 +361,8 @@ def read_run_log(path):
         raise LogError(f"cannot read {path}: {e.strerror}") from None
     except json.JSONDecodeError as e:
         raise LogError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); is the file truncated?") from None
+    except UnicodeDecodeError:  # (a ValueError too: its message alone named no file)
+        raise LogError(f"{path} is not a train_cifar.py log (not UTF-8 text)") from None
     if not isinstance(log, dict) or not isinstance(log.get("runs"), list) or "preset" not in log:
         raise LogError(f"{path} is not a train_cifar.py log (no preset and runs)")
     nulls_as_nan(log)
@@ -414,6 +416,14 @@ def check_run_values(log, path):
     flops = log.get("train_flops_per_run")
     if flops is not None and not (is_number(flops) and flops >= 0):
         bad("train_flops_per_run", flops, "a finite count >= 0")
+    config = log.get("config")  # (its absence is for each reader to judge; a config of another kind is no log's)
+    if config is not None and not isinstance(config, dict):
+        raise LogError(f"{path} is not a train_cifar.py log (its config is no object)")
+    target = (config or {}).get("target")
+    if target is not None and not (is_number(target) and 0 < target <= 1):
+        bad("config.target", target, "a fraction in (0, 1]")
+    if log.get("hardware") is not None and not isinstance(log["hardware"], str):
+        bad("hardware", log["hardware"], "text")
     for i, run in enumerate(log["runs"]):
         if not isinstance(run, dict) or "seed" not in run:
             raise LogError(f"{path} is not a train_cifar.py log: run {i} has no seed")

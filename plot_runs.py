@@ -267,7 +267,8 @@ def plot(summaries, out, x="epoch", references=(), names=None):
     colours = {}  # with several configurations, one colour per configuration, a line style per run of a log
     styles = ["-", "--", ":", "-."]
     for k, ((s, tag, _, i, _, (label, xs, acc, loss)), extra) in enumerate(zip(runs, extras)):
-        targets.add(s["config"]["target"])
+        if s["config"].get("target") is not None:  # (checked by core.read_run_log where present)
+            targets.add(s["config"]["target"])
         pts = [(a, b) for a, b in zip(xs, acc) if not math.isnan(b)]
         lowest = min([lowest] + [100 * b for _, b in pts])
         # past the 10 colours of the cycle, another line style: the 11th run would look like the 1st
@@ -286,7 +287,7 @@ def plot(summaries, out, x="epoch", references=(), names=None):
     # two-line titles: on one line each, the two panels' titles ran into each other
     ax.set(xlabel=xlabel, ylabel="test accuracy (%)")
     ax.set_title("test accuracy\n(last point: final, with TTA if the recipe has it)", fontsize=10)
-    ax.set_ylim(max(0.0, math.floor(min(lowest, *(100 * t for t in targets)) - 1)), 100)
+    ax.set_ylim(max(0.0, math.floor(min([lowest] + [100 * t for t in targets]) - 1)), 100)
     ax2.set(xlabel=xlabel, ylabel="training loss")
     ax2.set_title("training loss\n(with label smoothing if the recipe has it)", fontsize=10)
     for a in (ax, ax2):
@@ -339,6 +340,9 @@ def main(argv=None):
         os.makedirs(core.writable_folder(os.path.dirname(a.out) or ".", "--out's folder"), exist_ok=True)
         paths, repeated = core.distinct_logs(a.logs)  # a log given twice would draw, and pool, its runs twice
         summaries = [core.read_run_log(path) for path in paths]
+        for path, s in zip(paths, summaries):  # (the flops plot says so itself, naming the preset)
+            if a.x != "flops" and not isinstance(s.get("config"), dict):
+                raise LogError(f"{path} is not a train_cifar.py log (no config)")
         names = [log_name(path, s["preset"]) for path, s in zip(paths, summaries)]
         references = [load_reference(path) for path in a.reference]
         if a.x == "flops":

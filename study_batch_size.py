@@ -723,7 +723,8 @@ def study_settings(workload="cpu", optimizer="nesterov", target=None, eval=None,
         space["lr_eff"] = (lo, hi, "log")
     eval_split = eval or w["eval"]
     if holdout is not None and eval_split != "holdout":  # it was dropped: the target is judged on the test set
-        raise StudyError(f"--holdout {holdout} needs --eval holdout (the {workload} workload judges the target on "
+        who = f"--eval {eval}" if eval else f"the {workload} workload"  # (the user's own choice, where given)
+        raise StudyError(f"--holdout {holdout} needs --eval holdout ({who} judges the target on "
                          f"the {eval_split} set, so no images are held out)")
     holdout = (holdout if holdout is not None else w["holdout"] or 5000) if eval_split == "holdout" else 0
     if eval_split == "holdout" and holdout < 1:  # (0 would judge the target on the test set after all)

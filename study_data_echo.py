@@ -158,12 +158,21 @@ REACHED_FIELDS = {k: (lambda v: core.is_number(v) and v >= 0, "a number >= 0", T
 def read_results(path, repair=False, warn=lambda m: print(m, file=sys.stderr)):
     """Finished runs from the JSONL file (core.read_jsonl: a line torn by a crash skipped, or with repair cut
     off). A line that parses but is no run record (edited, or another file) is a ResultsError naming it."""
-    records = []
+    records, seen = [], {}
     for n, rec in core.read_jsonl(path, repair, warn):
         problem = core.field_problem(rec, RUN_FIELDS) or (
             core.field_problem(rec, REACHED_FIELDS) if rec.get("reached") else None)
         if problem:
             raise ResultsError(f"{path}:{n} is not a run record of this study ({problem}); fix or remove that line")
+        # A run found twice (two processes resuming one folder at once, or lines copied) counts once, the first:
+        # else it counted twice in n, the means and the std
+        key = (run_key(rec), json.dumps(rec.get("settings"), sort_keys=True))
+        if key in seen:
+            if seen[key] != rec:
+                warn(f"warning: {path}:{n} is another record of a run already recorded (mode {rec['mode']}, "
+                     f"factor {float(rec['factor']):g}, seed {rec['seed']}); the earlier is kept")
+            continue
+        seen[key] = rec
         records.append(rec)
     return records
 
@@ -426,6 +435,17 @@ def parse_args(argv):
 
 
 def main(argv=None):
+    """The study; an interrupt outside its runs (loading or PNG-encoding the data, writing the summary) is one
+    line and 130 too, not a traceback: results.jsonl is appended to run by run, so it holds every finished run."""
+    try:
+        return study(argv)
+    except KeyboardInterrupt:
+        print(f"\n{os.path.basename(sys.argv[0]) or 'study_data_echo.py'}: interrupted; finished runs are kept, "
+              "run the same command to resume", file=sys.stderr, flush=True)
+        sys.exit(130)
+
+
+def study(argv=None):
     parser, args = parse_args(argv)
     workload = WORKLOADS[args.workload]
     try:

@@ -3,11 +3,13 @@ optimizer, FLOPs."""
 import argparse
 import contextlib
 import glob
+import lzma
 import math
 import os
 import pickle
 import tarfile
 import zipfile
+import zlib
 
 import numpy as np
 import torch
@@ -63,8 +65,11 @@ def _load_tarball(path):
             if missing:
                 raise DataError(f"{path}: not a CIFAR-10 tarball, missing {', '.join(missing)}")
             batches = [_unpickle(tar.extractfile(members[n]), f"{path}:{n}") for n in names]
-    except (tarfile.TarError, EOFError, OSError, zipfile.BadZipFile) as e:
-        raise DataError(f"{path}: truncated or corrupt tarball ({type(e).__name__}: {e})") from None
+    except (tarfile.TarError, EOFError, OSError, zipfile.BadZipFile, zlib.error, lzma.LZMAError) as e:
+        # (zlib's and lzma's errors are no OSError: damaged compressed data past the first member raised them;
+        # tarfile's "could not be opened" message spans lines, one per compression tried)
+        why = " ".join(f"{type(e).__name__}: {e}".split())
+        raise DataError(f"{path}: truncated or corrupt tarball ({why})") from None
     return _join_batches(batches[:5], batches[5])
 
 

@@ -248,8 +248,9 @@ def make_config(preset=DEFAULT_PRESET, /, **overrides):
             wanted = None if isinstance(value, numbers.Integral) and not isinstance(value, bool) else "a whole number"
         elif isinstance(default, (int, float)):  # (numpy's numbers too)
             wanted = None if isinstance(value, numbers.Real) and not isinstance(value, bool) else "a number"
-        elif isinstance(default, tuple):
-            wanted = None if isinstance(value, (tuple, list)) else "a tuple of numbers"
+        elif isinstance(default, tuple):  # (each element too: a string or a bool in one failed deep in a run)
+            wanted = None if isinstance(value, (tuple, list)) and all(
+                isinstance(v, numbers.Real) and not isinstance(v, bool) for v in value) else "a tuple of numbers"
         if value is not None and wanted:
             raise ValueError(f"{key.replace('_', '-')} takes {wanted}, got {value!r}")
     given = {k: v for k, v in overrides.items() if v is not None}
@@ -264,6 +265,7 @@ def make_config(preset=DEFAULT_PRESET, /, **overrides):
 
 
 MAX_EPOCHS = 10_000  # far beyond any CIFAR-10 schedule in the literature (a few hundred epochs at most)
+MAX_ECHO_ITEMS = 50_000_000  # examples in one echoed pass (~30 bytes each in its index tensors): 1000x CIFAR-10
 MIN_TRAIN_SIZE = 16  # below this the nets' three or four 2x poolings leave no map to pool
 
 
@@ -1133,6 +1135,9 @@ def check_runnable(cfg, n_train, device=None, world=1):
     if cfg["holdout"] >= n_train:
         raise ValueError(f"holdout {cfg['holdout']} leaves none of the {n_train} training images to train on")
     left = n_train - cfg["holdout"]
+    if cfg["echo"] != "none" and left * cfg["echo_factor"] > MAX_ECHO_ITEMS:  # (1e9 was killed, out of memory)
+        raise ValueError(f"echo-factor {cfg['echo_factor']:g} makes each pass {left * cfg['echo_factor']:,.0f} "
+                         f"echoed examples; at most {MAX_ECHO_ITEMS:,} fit in memory")
     if candidate_batch_size(cfg) > left:
         drawn = " (candidates for selection)" if cfg["select_fraction"] < 1 else ""
         held = f" left by holdout {cfg['holdout']}" if cfg["holdout"] else ""

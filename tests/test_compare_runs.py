@@ -110,11 +110,19 @@ def test_bad_logs_exit_2_with_one_line(tmp_path, capsys):
     """(What core.read_run_log refuses is tested there.) A log without a config, or without a finished run."""
     for content, message in (('{"preset": "fast94", "runs": [', "is not valid JSON"),
                              ('{"preset": "fast94", "runs": []}', "not a train_cifar.py log (no config)"),
-                             ('{"preset": "fast94", "runs": [], "config": {"target": 0.94}}', "no finished run")):
+                             ('{"preset": "fast94", "runs": [], "config": {"target": 0.94}}', "no finished run"),
+                             # a target of another kind was a TypeError when runs were compared with it
+                             ('{"preset": "fast94", "runs": [], "config": {"target": "0.94"}}',
+                              'config.target is "0.94", not a fraction in (0, 1]'),
+                             ('{"preset": "fast94", "runs": [], "config": [0.94]}', "its config is no object")):
         (tmp_path / "bad.json").write_text(content)
         assert compare_runs.main([str(tmp_path / "bad.json")]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1
+    (tmp_path / "bad.json").write_bytes(b"PK\x03\x04\xc7\xff binary")  # (an .npz given by mistake: a traceback)
+    assert compare_runs.main([str(tmp_path / "bad.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'bad.json'} is not a train_cifar.py log (not UTF-8 text)" in err and err.count("\n") == 1
 
 
 def test_every_committed_log_of_a_preset_reads(capsys):

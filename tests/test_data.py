@@ -1,3 +1,4 @@
+import gzip
 import os
 import pickle
 import sys
@@ -83,6 +84,23 @@ def test_truncated_files_are_clear_errors(tmp_path, tiny):
     os.remove(tmp_path / "b" / "test_batch")
     with pytest.raises(tb.DataError, match="missing test_batch"):
         tb.load_cifar10(str(tmp_path / "b"), download=False)
+
+
+def test_damaged_compressed_tarballs_are_clear_one_line_errors(tmp_path, tiny):
+    """Damaged deflate data past the tarball's first member raised zlib.error (no OSError): a traceback. And a
+    file that is no tarball at all gave tarfile's message of five lines, one per compression it tried."""
+    write_batches(tmp_path / "b", tiny)
+    with tarfile.open(tmp_path / "x.tar", "w") as tar:
+        tar.add(tmp_path / "b", arcname=tb.BATCHES_DIR)
+    raw = (tmp_path / "x.tar").read_bytes()
+    # a gzip stream whose second member's deflate data is invalid (block type 3), as flipped bits in a download
+    (tmp_path / "bad.tar.gz").write_bytes(gzip.compress(raw[:len(raw) // 2]) + gzip.compress(b"")[:10] + b"\xff" * 64)
+    with pytest.raises(tb.DataError, match=r"bad.tar.gz: truncated or corrupt tarball \(error: "):
+        tb.load_cifar10(str(tmp_path / "bad.tar.gz"), download=False)
+    (tmp_path / "text.tar.gz").write_text("not a tarball\n" * 50)
+    with pytest.raises(tb.DataError, match="text.tar.gz: truncated or corrupt tarball") as e:
+        tb.load_cifar10(str(tmp_path / "text.tar.gz"), download=False)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("change, message", [

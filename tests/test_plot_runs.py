@@ -62,6 +62,10 @@ def test_plot_into_a_new_folder_or_an_unwritable_one(logged, tmp_path, capsys):
     ('{"preset": "fast94", "runs": [', "not valid JSON"),
     ('{"rows": []}', "not a train_cifar.py log"),
     ('{"preset": "fast94", "runs": [], "config": {"target": 0.94}}', "none of the logs has a run"),
+    # runs with rows but no config (a KeyError when the target was drawn), a hardware that is no text (a TypeError)
+    ('{"preset": "fast94", "runs": [{"seed": 0, "epochs": [{"epoch": 1, "test_acc": 0.5, "total_time": 1.0, '
+     '"train_loss": 2.0}]}]}', "not a train_cifar.py log (no config)"),
+    ('{"preset": "fast94", "runs": [], "config": {"target": 0.94}, "hardware": 5}', "hardware is 5, not text"),
 ])
 def test_bad_logs_exit_2_with_one_line(tmp_path, capsys, content, message):
     path = tmp_path / "bad.json"
@@ -70,6 +74,19 @@ def test_bad_logs_exit_2_with_one_line(tmp_path, capsys, content, message):
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and not (tmp_path / "x.png").exists()
     assert plot_runs.main([str(tmp_path / "missing.json")]) == 2
+
+
+def test_a_log_without_a_target_is_drawn_without_its_line(logged, tmp_path, capsys):
+    """A config without "target" (or a null one) was a KeyError, then a TypeError, where the target's line is drawn."""
+    log = json.loads(open(logged[0]).read())
+    for target in ("absent", None):
+        if target == "absent":
+            del log["config"]["target"]
+        else:
+            log["config"]["target"] = None
+        path = tmp_path / "no-target.json"
+        path.write_text(json.dumps(log))
+        assert plot_runs.main([str(path), "--out", str(tmp_path / "x.png")]) == 0 and (tmp_path / "x.png").exists()
 
 
 def write_reference(path, rows):

@@ -744,6 +744,11 @@ def test_holdout_without_holdout_evaluation_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         sbs.main(["run", "--dry-run", "--workload", "gpu94", "--holdout", "1000", "--out", str(tmp_path / "o")])
     assert e.value.code == 2 and "--holdout 1000 needs --eval holdout" in capsys.readouterr().err
+    # --eval test given: the cpu workload (which holds images out) was blamed for the user's own choice
+    with pytest.raises(SystemExit) as e:
+        sbs.main(["run", "--dry-run", "--workload", "cpu", "--eval", "test", "--holdout", "100", "--out",
+                  str(tmp_path / "o")])
+    assert e.value.code == 2 and "(--eval test judges the target on the test set" in capsys.readouterr().err
 
 
 def test_unreached_larger_batch_sizes_are_named_not_called_a_plateau():

@@ -31,6 +31,20 @@ def test_results_survive_a_line_cut_short(tmp_path, capsys):
     assert "not a complete record" in capsys.readouterr().err
 
 
+def test_a_run_recorded_twice_counts_once(tmp_path, capsys):
+    """Two processes resuming one folder at once both ran (and appended) the runs left: each counted twice in
+    the summary's n, means and std (study_batch_size.read_folder keeps the first)."""
+    path = str(tmp_path / "results.jsonl")
+    first = dict(rec("none", 1.0, 0, 1000, 10.0), workload="cpu", pipeline="device")
+    other = dict(rec("none", 1.0, 1, 1200, 12.0), workload="cpu", pipeline="device")
+    for r in (first, other, first, dict(first, fresh_to_target=900)):
+        core.append_jsonl(path, r)
+    assert study.read_results(path) == [first, other]
+    assert "results.jsonl:4 is another record of a run already recorded" in capsys.readouterr().err
+    row = study.summarise(study.read_results(path), None, False)[0]
+    assert row["n"] == 2 and row["fresh_mean"] == 1100
+
+
 def test_fresh_budget_stretches_everything_counted_in_epochs():
     out = study.stretch("fast94-sgd", dict(epochs=6, lr_knots=(0, 1, 6), lr_values=(0.3, 1.5, 0.1),
                                        whiten_bias_epochs=1, lookahead_start_epoch=1), 2)
@@ -273,6 +287,20 @@ def test_an_interrupt_while_r_is_measured_exits_130_with_a_message(tmp_path, cap
         study.main(tiny_echo(tmp_path))
     assert e.value.code == 130 and "interrupted while measuring R" in capsys.readouterr().out
     assert not (tmp_path / "out" / "r.json").exists()
+
+
+@pytest.mark.parametrize("where", ["load_cifar10", "encode_pngs"])
+def test_an_interrupt_while_the_data_load_exits_130_with_one_line(tmp_path, capsys, monkeypatch, where):
+    """Ctrl-C while the data were loaded (seconds for the full set) or PNG-encoded (the loader pipeline's 50000
+    images: seconds more) was a traceback: only the runs and the R measurement caught it."""
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(study.tb if where == "load_cifar10" else study.pipeline, where, interrupted)
+    with pytest.raises(SystemExit) as e:
+        study.main(tiny_echo(tmp_path) + ["--no-r", "--pipeline", "loader"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 130 and err.endswith("interrupted; finished runs are kept, run the same command to resume")
+    assert err.count("\n") == 0
 
 
 def test_no_r_with_remeasure_r_is_a_usage_error(tmp_path, capsys):

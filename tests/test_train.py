@@ -75,6 +75,8 @@ def tiny_npz(tmp_path, tiny):
     (["--whiten-bias-epochs", "-1"], "whiten-bias-epochs must be >= 0"),  # (taken as "never frozen")
     (["--allreduce", "hierarchical"], "allreduce hierarchical needs several processes"),  # (a flat run, silently)
     (["--echo-factor", "3"], "echo-factor 3 needs an --echo mode"),
+    (["--echo", "batch", "--echo-factor", "1e6"], "echo-factor 1e+06 makes each pass 200,000,000 echoed examples; "
+                                                    "at most 50,000,000 fit in memory"),  # (was a MemoryError)
     (["--seed", str(2 ** 64 - 1), "--runs", "2"], "seeds must lie in [-2^63, 2^64)"),
     (["--holdout", "100", "--batch-size", "150"], "exceeds the 100 training images left by holdout 100"),
     (["--device", "meta"], "run on cpu or cuda devices only"),
@@ -184,6 +186,11 @@ def test_epochs_alone_stretch_the_presets_lr_knots():
     (dict(batch_size=True), "batch-size takes a whole number"),
     (dict(nesterov="yes"), "nesterov takes True or False"),
     (dict(widths="8"), "widths takes a tuple of numbers"),
+    # each element too (--set, or a --from-log config edited): TypeErrors deep in a run, or True taken as 1
+    (dict(lr_values=(1, "0")), "lr-values takes a tuple of numbers, got (1, '0')"),
+    (dict(lr_knots=(0, [1])), "lr-knots takes a tuple of numbers"),
+    (dict(widths=(True, 16, 16)), "widths takes a tuple of numbers"),
+    (dict(lr_values=(1, True)), "lr-values takes a tuple of numbers"),
     (dict(momentum=True), "momentum takes a number"),
     (dict(preset="resnet9"), "preset is not an option to set"),  # (was a TypeError: two values for preset)
 ])
