@@ -327,7 +327,11 @@ def read_trials(path, repair=False, warn=lambda m: print(m, file=sys.stderr)):
     """Records of trials.jsonl (core.read_jsonl: a line torn by a crash skipped, or with repair cut off). A line
     that parses but is no trial record (edited, or another file) is a StudyError naming it."""
     records = []
-    for n, rec in core.read_jsonl(path, repair, warn):
+    try:
+        lines = core.read_jsonl(path, repair, warn)
+    except core.JsonlError as e:
+        raise StudyError(str(e)) from None
+    for n, rec in lines:
         problem = record_problem(rec)
         if problem:
             raise StudyError(f"{path}:{n} is not a trial record of this study ({problem}); fix or remove that line")

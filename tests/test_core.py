@@ -415,6 +415,18 @@ def test_read_jsonl_cuts_off_a_torn_last_line_and_nothing_else(tmp_path):
         assert core.read_jsonl(str(path)) == parsed_lines(repaired) == parsed_lines(text)
 
 
+def test_read_jsonl_refuses_a_folder_or_binary_data_and_cuts_nothing(tmp_path):
+    with pytest.raises(core.JsonlError, match="is a folder, not a file of records"):
+        core.read_jsonl(str(tmp_path), repair=True)
+    path = tmp_path / "r.jsonl"
+    binary = b'{"a": 1}\n' + bytes(range(256)) * 40  # thousands of bytes, newlines among them, no newline last
+    path.write_bytes(binary)
+    warnings = []
+    with pytest.raises(core.JsonlError, match="holds binary data, not JSON records"):
+        core.read_jsonl(str(path), repair=True, warn=warnings.append)
+    assert path.read_bytes() == binary and warnings == []
+
+
 def test_distinct_logs_reads_a_link_to_a_log_as_that_log(tmp_path):
     """A link to a log (or a path spelt otherwise) names the same file: read twice, its runs would count twice.
     The reference: the files' inodes."""

@@ -373,6 +373,8 @@ def test_repeated_factors_and_modes_train_and_count_each_run_once(tmp_path, caps
     ("results.jsonl", lambda text: text.replace('"fresh_to_target": 100', '"fresh_to_target": "abc"', 1),
      'results.jsonl:1 is not a run record of this study ("fresh_to_target" is "abc", not a number >= 0)'),
     ("results.jsonl", lambda text: text + "[1, 2]\n", "results.jsonl:3 is not a run record of this study ([1, 2] is"),
+    # an .npz in its place: one line (not a warning per "line") and the file left uncut
+    ("results.jsonl", lambda text: "PK\x03\x04\x00\x00\n" * 50 + "\x00\xff", "results.jsonl holds binary data, not JSON"),
 ])
 def test_edited_files_are_a_one_line_error_naming_file_and_line(tmp_path, capsys, monkeypatch, name, edit, message):
     """A garbled r.json (JSONDecodeError), a record without "seed" (KeyError), "fresh_to_target": "abc" (ValueError in
