@@ -131,8 +131,8 @@ def describe(name, s, out=print):
     se = f" (standard error {m['se']:.2f})" if m["n"] > 1 else ""
     target = "/".join(f"{100 * t:g}%" for t in m["targets"])
     out(f"{name}: {', '.join(s['presets'])}, {logs}, n={m['n']} (seeds {m['seeds']})")
-    out(f"  accuracy {core.format_mean_std(m['mean'], m['std'], m['n'], 2, unit='%')}{se}; "
-        f"{m['reached']} of {m['n']} reach {target}")
+    reach = f"{m['reached']} of {m['n']} reach {target}" if target else "no target logged"
+    out(f"  accuracy {core.format_mean_std(m['mean'], m['std'], m['n'], 2, unit='%')}{se}; {reach}")
     if len(m["targets"]) == 1 and m["n"] > 1:  # does the mean meet the target, or is it within the noise of it?
         half = core.student_t_quantile(0.975, m["n"] - 1) * m["se"]
         gap = m["mean"] - 100 * m["targets"][0]

@@ -59,6 +59,17 @@ def test_a_series_pools_its_logs(real_log, tmp_path, capsys):
     assert f"mean - target {gap:+.2f} points (95% interval {gap - half:+.2f} to {gap + half:+.2f})" in out
 
 
+def test_a_log_without_a_target_says_so(real_log, tmp_path, capsys):
+    """Not '0 of 2 reach ' with nothing after it."""
+    path = write_log(tmp_path, real_log, "a", [(0, 0.9401), (1, 0.9388)])
+    log = json.loads(open(path).read())
+    del log["config"]["target"]
+    open(path, "w").write(json.dumps(log))
+    assert compare_runs.main([path]) == 0
+    out = capsys.readouterr().out
+    assert "93.94 ± 0.09%" in out and "no target logged" in out and "reach" not in out
+
+
 def test_a_run_at_the_target_reaches_it_and_a_run_stopped_early_is_left_out(real_log, tmp_path):
     """9,400 of 10,000 right is 94%: it counts as reaching 0.94. A run ended by --stop-after-epochs (continued
     later from its checkpoint) has an accuracy but is not a finished run of the recipe."""
