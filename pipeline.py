@@ -243,11 +243,9 @@ def reflect_index(size, pad):
     return np.where(i > size - 1, 2 * (size - 1) - i, i)
 
 
-def _normalisation(dtype=np.float32):
+def _normalisation():
     """The constants torch_backend.to_device uses, computed the same way (float32), so results match bit for bit."""
-    mean = (torch.tensor(tb.CIFAR_MEAN) * 255).numpy().astype(dtype)
-    std = (torch.tensor(tb.CIFAR_STD) * 255).numpy().astype(dtype)
-    return mean, std
+    return (torch.tensor(tb.CIFAR_MEAN) * 255).numpy(), (torch.tensor(tb.CIFAR_STD) * 255).numpy()
 
 
 def draw_augmentation_np(rng, n, pad, cutout, flip, size=32):
@@ -461,12 +459,15 @@ class LoaderStream:
         return self.fresh
 
     def close(self):
-        """Stops the worker processes (also done when the stream is garbage-collected)."""
-        self._upstream = None
+        """Stops the worker processes now (also done when the stream is garbage-collected). Dropping the
+        iterator alone did not: with persistent workers the DataLoader keeps it, and the workers with it."""
+        self._upstream = self.loader = None
 
     def _pull(self):
         """Fetches one upstream batch and appends its echoed items (refs u * bs + row) to `ready`."""
         if self._upstream is None:
+            if self.loader is None:
+                raise RuntimeError("this stream is closed")
             self._upstream = iter(self.loader)
         batch = next(self._upstream)
         u = int(batch["upstream"][0])

@@ -161,18 +161,6 @@ def scrambled_halton(n, d, seed=0):
     return np.minimum(out, np.nextafter(1.0, 0.0))
 
 
-def centered_l2_discrepancy(x):
-    """Hickernell's centred L2 discrepancy of points in [0, 1)^d (lower is more uniform)."""
-    x = np.asarray(x, float)
-    n, d = x.shape
-    a = np.abs(x - 0.5)
-    t1 = (13 / 12) ** d
-    t2 = np.prod(1 + 0.5 * a - 0.5 * a ** 2, axis=1).sum() * 2 / n
-    pair = 1 + 0.5 * a[:, None, :] + 0.5 * a[None, :, :] - 0.5 * np.abs(x[:, None, :] - x[None, :, :])
-    t3 = np.prod(pair, axis=2).sum() / n ** 2
-    return math.sqrt(max(t1 - t2 + t3, 0.0))
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Trials: metaparameters, schedule, budget
 

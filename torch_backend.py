@@ -583,11 +583,8 @@ class Conv2d(nn.Conv2d):
 # ---------------------------------------------------------------------------------------------------------------
 # Networks. BatchNorm runs in fp32 under autocast (PyTorch's autocast policy keeps its statistics in fp32).
 
-def conv_bn(c_in, c_out, bn_weight_frozen=False):
-    bn = nn.BatchNorm2d(c_out)
-    if bn_weight_frozen:
-        bn.weight.requires_grad_(False)
-    return nn.Sequential(Conv2d(c_in, c_out, 3, padding=1, bias=False), bn, nn.ReLU(inplace=True))
+def conv_bn(c_in, c_out):
+    return nn.Sequential(Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True))
 
 
 class Residual(nn.Module):

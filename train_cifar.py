@@ -79,9 +79,10 @@ COMMON = dict(
     # select_by "loss": no proxy; each candidate is scored by the net's own loss on it the last time it was
     # trained on (never-trained ones first), so scoring costs nothing and the dropped ones are never augmented.
     select_fraction=1.0, select_by="proxy", proxy_widths=(32, 64, 64), proxy_every=4,
-    # CPU, bf16: "matmul": 3x3 convs on maps of 8x8 and smaller by matmul over the unfolded input (tb.Conv2d;
-    # measured faster on AMX CPUs), "onednn": PyTorch's own conv kernels everywhere, "auto": matmul where the CPU
-    # has AMX, else oneDNN (tb.resolve_cpu_conv; a run logs the one it took). No effect on GPUs.
+    # CPU, bf16: "matmul": 3x3 convs on small maps by matmul over the unfolded input (tb.Conv2d: weight gradients
+    # at 8x8 and smaller, forward and input gradients at 4x4 and smaller; measured faster on AMX CPUs), "onednn":
+    # PyTorch's own conv kernels everywhere, "auto": matmul where the CPU has AMX, else oneDNN
+    # (tb.resolve_cpu_conv; a CPU run logs the one it took). No effect on GPUs.
     cpu_conv="auto",
     # Progressive resizing: the side of the training images in each epoch (the last entry repeats; empty: 32
     # throughout). Crops and flips are drawn at 32 px and the batch is then resized (bilinear, antialiased), so
@@ -741,7 +742,7 @@ class Proxy:
         self.scaler.load_state_dict(state["scaler"])
 
 
-def train_flops(cfg, model, device, precision, batch_size, size=IMAGE_SIZE):
+def train_flops(model, device, precision, batch_size, size=IMAGE_SIZE):
     """FLOPs of one training step (forward and backward) at this batch size and image side; the update itself
     is ignored."""
     x = torch.randn(batch_size, 3, size, size, device=device).to(memory_format=torch.channels_last)
@@ -756,9 +757,9 @@ def train_flops(cfg, model, device, precision, batch_size, size=IMAGE_SIZE):
     return flops
 
 
-def step_flops(cfg, model, opt, device, precision, batch_size, size=IMAGE_SIZE):
+def step_flops(model, opt, device, precision, batch_size, size=IMAGE_SIZE):
     """train_flops plus what the optimizer's update computes in matrix products (Muon's Newton-Schulz)."""
-    return train_flops(cfg, model, device, precision, batch_size, size) + getattr(opt, "update_flops", lambda: 0)()
+    return train_flops(model, device, precision, batch_size, size) + getattr(opt, "update_flops", lambda: 0)()
 
 
 def run_flops(cfg, model, opt, device, precision, n_train, steps_done=None):
@@ -771,13 +772,13 @@ def run_flops(cfg, model, opt, device, precision, n_train, steps_done=None):
     proxy = Proxy(cfg, None, None, device, precision) if uses_proxy(cfg) else None
     per_size, proxy_training = {}, {}
     for size in set(sizes):
-        per_size[size] = step_flops(cfg, model, opt, device, precision, cfg["batch_size"], size)
+        per_size[size] = step_flops(model, opt, device, precision, cfg["batch_size"], size)
         if proxy is not None:
             x = torch.randn(candidate_batch_size(cfg), 3, size, size, device=device)
             x = x.to(memory_format=torch.channels_last)
             with torch.no_grad():
                 scoring = tb.count_flops(lambda: proxy.model(x))
-            training = step_flops(proxy.cfg, proxy.model, proxy.opt, device, precision, len(x), size)
+            training = step_flops(proxy.model, proxy.opt, device, precision, len(x), size)
             per_size[size] += scoring
             proxy_training[size] = training - scoring
     done = sizes[:steps if steps_done is None else steps_done]
@@ -1170,7 +1171,8 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
 
     data: numpy arrays as returned by torch_backend.load_cifar10 (else loaded from data_path, default
     $CIFAR10_DATA or ./data).
-    log_dir: where the JSON summary and TSV table go (None: write nothing). Raises Diverged on NaN loss.
+    log_dir: where the JSON summary and TSV table go (None: write nothing). Raises Diverged on a non-finite loss
+    or net.
     checkpoint: save/resume path for a single long run (see run_once).
     progress: a core.Progress for the steps within each epoch; None: one on stderr if it is a terminal; False: none.
     Under torchrun every process calls this; only rank 0 prints and writes logs."""
@@ -1221,11 +1223,12 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
     if world > 1:
         hardware = f"{world} processes x {hardware}"
 
-    # Warm-up outside the timer: one counted step (FLOPs) and one plain step on a throwaway net.
+    # Warm-up outside the timer, on a throwaway net: a counted step at each image size (the run's FLOPs), then
+    # a second at full size.
     warm = build_model(cfg, device, on_device["train_x"])
     flops_per_step, steps, flops_per_run = run_flops(cfg, warm, make_optimizer(cfg, warm), device, precision,
                                                      len(data["train_y"]))
-    train_flops(cfg, warm, device, precision, cfg["batch_size"])
+    train_flops(warm, device, precision, cfg["batch_size"])
     del warm
 
     name = f"{cfg['preset']}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"

@@ -139,7 +139,7 @@ def count_only(preset, overrides=None):
     opt = train_cifar.make_optimizer(cfg, model)
     per_step, steps, per_run = train_cifar.run_flops(cfg, model, opt, meta, "fp32", N_TRAIN)
     sizes = train_cifar.step_sizes(cfg, N_TRAIN)
-    net_step = train_cifar.step_flops(cfg, model, opt, meta, "fp32", cfg["batch_size"], sizes[-1])
+    net_step = train_cifar.step_flops(model, opt, meta, "fp32", cfg["batch_size"], sizes[-1])
     # a step at each size of progressive resizing, with its scoring: what is left of the run trains the proxy
     stepping = {side: train_cifar.run_flops(dict(cfg, train_sizes=(side,)), model, opt, meta, "fp32", N_TRAIN)[0]
                 for side in set(sizes)}

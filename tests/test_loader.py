@@ -3,6 +3,7 @@ reference definition, echo counts per upstream pass, whole-batch echo, the strea
 fresh-example counting, with 0 and 1 DataLoader workers."""
 import collections
 import math
+import multiprocessing
 
 import numpy as np
 import pytest
@@ -366,3 +367,19 @@ def test_every_upstream_batch_draws_its_own_augmentations():
         draws[int(last["upstream"][0])] = tuple(tuple(last[k].tolist()) for k in pipeline.AUG_KEYS)
     stream.close()
     assert sorted(draws) == list(range(12)) and len(set(draws.values())) == 12
+
+
+def test_close_stops_the_workers_at_once():
+    """Persistent workers: the DataLoader keeps its iterator, so dropping the stream's alone left them running
+    (and holding memory) while study_data_echo timed training steps after close()."""
+    stream = stream_of(loader_data(), workers=1)
+    stream.next_batch()
+    workers = multiprocessing.active_children()
+    assert workers and all(w.is_alive() for w in workers)
+    stream.close()
+    for w in workers:
+        w.join(timeout=10)
+    assert not any(w.is_alive() for w in workers)
+    with pytest.raises(RuntimeError, match="this stream is closed"):
+        for _ in range(100):  # past what was prefetched before the close
+            stream.next_batch()

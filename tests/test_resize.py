@@ -62,7 +62,7 @@ def test_run_flops_sum_each_steps_own_size():
     cfg = train_cifar.make_config("fast94", epochs=8, lr_knots=(0, 8), train_sizes=(20, 24, 32), precision="fp32")
     net = train_cifar.build_model(cfg, meta)
     opt = train_cifar.make_optimizer(cfg, net)
-    at = {s: train_cifar.step_flops(cfg, net, opt, meta, "fp32", cfg["batch_size"], s) for s in (20, 24, 32)}
+    at = {s: train_cifar.step_flops(net, opt, meta, "fp32", cfg["batch_size"], s) for s in (20, 24, 32)}
     assert at[20] < at[24] < at[32]
     per_epoch = train_cifar.steps_per_epoch(cfg, 50000)  # 25 steps of 2000; 8 epochs
     per_step, steps, total = train_cifar.run_flops(cfg, net, opt, meta, "fp32", 50000)

@@ -127,7 +127,7 @@ def test_run_flops_count_the_proxy_training_and_the_scoring():
     with torch.no_grad():
         scoring = tb.count_flops(lambda: proxy(x))
     assert per_step == plain_step + scoring
-    backward = train_cifar.train_flops(plain, proxy, CPU, "fp32", 128) - scoring  # through all 128 candidates
+    backward = train_cifar.train_flops(proxy, CPU, "fp32", 128) - scoring  # through all 128 candidates
     assert total == per_step * steps + math.ceil(steps / 4) * backward
     assert plain_total == plain_step * plain_steps
 

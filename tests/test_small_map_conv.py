@@ -109,7 +109,7 @@ def test_build_model_sets_the_cpu_conv_mode_and_the_flop_count_stays():
         convs = [m for m in model.modules() if isinstance(m, tb.Conv2d)]
         assert convs and all(m.matmul_small_maps == (mode == "matmul") for m in convs)
         opt = train_cifar.make_optimizer(cfg, model)
-        flops[mode] = train_cifar.step_flops(cfg, model, opt, torch.device("cpu"), "bf16", 8)
+        flops[mode] = train_cifar.step_flops(model, opt, torch.device("cpu"), "bf16", 8)
         x = torch.randn(8, 3, 32, 32).contiguous(memory_format=torch.channels_last)
         y = torch.arange(8) % 10
         losses[mode] = [train_cifar.train_step(cfg, model, opt, x, y, "bf16", torch.device("cpu"))[1].item()
