@@ -22,10 +22,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def torchrun(n, *args):
+def torchrun(n, *args, script=SCRIPT):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n),
-                           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), SCRIPT, *args],
+                           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script, *args],
                           capture_output=True, text=True, timeout=900, env=env)
 
 
@@ -131,10 +131,35 @@ def test_data_selection_runs_under_torchrun(tiny_npz, tmp_path):
              "--device", "cpu"]
     odd = torchrun(2, "--data", tiny_npz, "--log-dir", "", *small, "--select-fraction", "0.66")
     assert odd.returncode != 0 and "the 61 candidates a step (batch size / select-fraction) are not" in odd.stderr
-    two = torchrun(2, "--data", tiny_npz, "--log-dir", str(tmp_path), *small)
+    # train_cifar.py under a wrapper that records, per rank, the candidates each step drew and the examples it
+    # trained on: the logged step count is the plan, and a rank keeping all its candidates ran to it unseen
+    sizes = tmp_path / "sizes"
+    sizes.mkdir()
+    wrapper = tmp_path / "recording_train_cifar.py"
+    wrapper.write_text(RECORDING_WRAPPER.format(root=ROOT, out=str(sizes)))
+    two = torchrun(2, "--data", tiny_npz, "--log-dir", str(tmp_path), *small, script=str(wrapper))
     assert two.returncode == 0, why(two)
     s = summary(tmp_path)
     assert s["world_size"] == 2 and s["train_steps"] == 400 // 80 and s["runs"][0]["accuracy"] is not None
+    for rank in (0, 1):  # 80 candidates a step over 2 ranks, each keeping its half of the global batch of 40
+        steps = [tuple(map(int, line.split())) for line in (sizes / f"rank{rank}").read_text().splitlines()]
+        assert steps == [(40, 20)] * 5, (rank, steps)
+
+
+RECORDING_WRAPPER = """
+import os, sys
+sys.path.insert(0, {root!r})
+import core, train_cifar
+select = train_cifar.Proxy.select
+
+def recording(self, x, y, keep, *args, **kwargs):
+    xs, ys = select(self, x, y, keep, *args, **kwargs)
+    with open(os.path.join({out!r}, "rank" + os.environ["RANK"]), "a") as f:
+        f.write(f"{{len(y)}} {{len(ys)}}\\n")
+    return xs, ys
+train_cifar.Proxy.select = recording
+core.exit_with(train_cifar.main)
+"""
 
 
 def test_loss_history_selection_under_torchrun_equals_one_process(tiny_npz, tmp_path):

@@ -84,6 +84,9 @@ def test_draws_cover_the_device_pipelines_ranges():
     aug = pipeline.draw_augmentation_np(np.random.default_rng(0), 20000, 4, 8, True)
     assert set(aug["dy"].tolist()) == set(range(9)) and set(aug["dx"].tolist()) == set(range(9))
     assert set(aug["cy"].tolist()) == set(range(25)) and set(aug["cx"].tolist()) == set(range(25))
+    # each axis its own draw: every offset pair and cutout corner occurs (a miss has chance < 1e-10)
+    assert set(zip(aug["dy"].tolist(), aug["dx"].tolist())) == {(y, x) for y in range(9) for x in range(9)}
+    assert set(zip(aug["cy"].tolist(), aug["cx"].tolist())) == {(y, x) for y in range(25) for x in range(25)}
     assert 0.48 < aug["flip"].mean() < 0.52
 
 

@@ -212,11 +212,22 @@ def test_next_chosen_batch_keeps_the_highest_scored_candidates_augmented_as_the_
         rows = [int((idx == i).nonzero()) for i in chosen]
         torch.testing.assert_close(x, whole[rows], rtol=0, atol=0)
         assert torch.equal(y, on_device["train_y"][chosen])
-    # a process's slice (torchrun) is that rows' part of the same choice
+    # a process's slice (torchrun): rows lo:hi of the same choice, so the processes' slices (uneven ones too) are
+    # together the whole choice, each example once, each image that example's augmented as in the whole batch
     idx, aug = twin.next_indices()
-    x, y, chosen = chooser.next_chosen_batch(scores, 60, 30, 60)
-    full = scores[idx].topk(60, sorted=False).indices[30:60]
-    assert torch.equal(chosen, idx[full]) and len(x) == 30
+    whole = tb.augment(on_device["train_x"], idx, aug)
+    parts = []
+    for lo, hi in ((0, 25), (25, 60)):
+        rank = train_cifar.pipeline.BatchStream(on_device, stream_cfg, torch.Generator().manual_seed(3), CPU)
+        for _ in range(5):
+            rank.next_chosen_batch(scores, 60)
+        x, y, chosen = rank.next_chosen_batch(scores, 60, lo, hi)
+        assert len(x) == len(y) == len(chosen) == hi - lo
+        rows = [int((idx == i).nonzero()) for i in chosen]
+        torch.testing.assert_close(x, whole[rows], rtol=0, atol=0)
+        assert torch.equal(y, on_device["train_y"][chosen])
+        parts += chosen.tolist()
+    assert sorted(parts) == sorted(idx[scores[idx].argsort(descending=True)[:60]].tolist())
 
 
 def test_record_losses_stores_each_examples_label_smoothed_loss_under_its_index():

@@ -151,23 +151,31 @@ def test_cuda_sync_debug_sets_the_mode_for_the_block_and_puts_it_back(monkeypatc
 ])
 def test_the_training_steps_read_nothing_on_the_host(monkeypatch, preset, options):
     """tests/test_gpu.py's check on a CPU: the steps of two epochs (so a second pass of the data starts inside them)
-    under HostReads where --sync-check would switch torch's sync debug mode to "error"."""
-    depth = [0]
+    under HostReads wherever --sync-check switches torch's sync debug mode to "error", and with reads allowed where
+    it switches back to "default" (an evaluation inside the steps). The stand-in follows the mode it is given, so
+    a loop that stopped asking for "error" (--sync-check silently off on a GPU) fails here too. (run_once: train()
+    refuses sync_check on a CPU, rightly.)"""
+    modes = []
 
     @contextlib.contextmanager
-    def host_reads(device, mode):  # the outer block: the steps; the inner: an evaluation inside them
-        depth[0] += 1
-        paused, HostReads.paused = HostReads.paused, depth[0] > 1
+    def host_reads(device, mode):
+        modes.append(mode)
+        paused, HostReads.paused = HostReads.paused, mode == "default"
         try:
-            with HostReads() if depth[0] == 1 else contextlib.nullcontext():
+            with HostReads() if mode == "error" else contextlib.nullcontext():
                 yield
         finally:
-            HostReads.paused, depth[0] = paused, depth[0] - 1
+            HostReads.paused = paused
     monkeypatch.setattr(tb, "cuda_sync_debug", host_reads)
-    summary = train_cifar.train(preset, data=synthetic(400, 100), device="cpu", log=lambda *a: None, log_dir=None,
-                                progress=False, batch_size=100, epochs=2, precision="fp32", eval_every_steps=3,
-                                **options)
-    assert summary["runs"][0]["accuracy"] is not None
+    cfg = train_cifar.make_config(preset, batch_size=100, epochs=2, precision="fp32", eval_every_steps=3, **options)
+    dev = torch.device("cpu")
+    on_device = tb.to_device(tb.validate(synthetic(400, 100), "tiny"), dev, torch.float32, pad=cfg["pad"])
+    result = train_cifar.run_once(dict(cfg, sync_check=True), on_device, 0, 0, dev, "fp32", log=lambda *a: None)
+    assert result["accuracy"] is not None
+    per_epoch = 400 // train_cifar.candidate_batch_size(cfg)  # 4 steps (fast96: 2, of 200 candidates)
+    want = [m for e in (1, 2) for m in ["error"] + ["default"] * sum(
+        s % 3 == 0 for s in range((e - 1) * per_epoch + 1, e * per_epoch + 1))]
+    assert modes == want, modes  # each epoch's steps checked; only the evaluations among them let through
 
 
 def test_epochs_alone_stretch_the_presets_lr_knots():
@@ -829,6 +837,18 @@ def test_a_fixed_loss_scale_trains_exactly_as_no_scale(preset):
     scaled = weights_after_steps(cfg, tb.FixedLossScale(1024.0), 3)
     differ = [k for k in plain if not torch.equal(plain[k], scaled[k])]
     assert not differ, differ
+    # ... and it does scale: equal weights alone hold for a scaler that does nothing. The backward runs on 1024x
+    # the loss (gradients 1024x, exactly), and the optimizer's step sees them divided back (float64 by hand).
+    w = torch.nn.Parameter(torch.tensor([0.75, -1.5, 3.0], dtype=torch.float64))
+    scaler, seen = tb.FixedLossScale(1024.0), []
+    loss = (w ** 2).sum()  # d/dw = 2 w
+    assert scaler.scale(loss).item() == 1024.0 * loss.item()
+    scaler.scale(loss).backward()
+    assert torch.equal(w.grad, 1024.0 * 2 * w.detach())
+    recorder = type("Recorder", (), dict(param_groups=[dict(params=[w])],
+                                         step=lambda self: seen.append(w.grad.clone())))
+    scaler.step(recorder())
+    assert len(seen) == 1 and torch.equal(seen[0], 2 * w.detach())
 
 
 @pytest.mark.parametrize("loss_scale, reads_each_step", [("batch", False), ("64", False), ("dynamic", True)])
@@ -1131,10 +1151,26 @@ def test_the_training_loss_is_label_smoothed_cross_entropy():
 
 
 def test_the_lars_option_builds_lars(tiny):
-    cfg = train_cifar.make_config("fast94-sgd", optimizer="lars", widths=(8, 16, 16))
+    """--optimizer lars with the run's trust coefficient (not LARS's default), momentum and decay: a filter's first
+    step against LARS's formula in float64, lr x trust x ||w|| / (||g|| + wd ||w||) x (g + wd w), times
+    (1 + momentum) for Nesterov's look-ahead (the first velocity is the step itself)."""
+    cfg = train_cifar.make_config("fast94-sgd", optimizer="lars", trust_coefficient=0.02, widths=(8, 16, 16))
     import parallel
-    assert isinstance(train_cifar.make_optimizer(cfg, train_cifar.build_model(cfg, torch.device("cpu"))),
-                      parallel.LARS)
+    model = train_cifar.build_model(cfg, torch.device("cpu"))
+    opt = train_cifar.make_optimizer(cfg, model)
+    assert isinstance(opt, parallel.LARS)
+    train_cifar.set_lr(opt, 0.1)
+    gen = torch.Generator().manual_seed(0)
+    for g in opt.param_groups:
+        for p in g["params"]:
+            p.grad = torch.randn(p.shape, generator=gen)
+    name, w = next((n, p) for n, p in model.named_parameters() if p.requires_grad and p.ndim == 4)
+    w0, g = w.detach().double().clone(), w.grad.double()
+    opt.step()
+    wd, m = cfg["weight_decay"], cfg["momentum"]
+    step = 0.1 * 0.02 * w0.norm() / (g.norm() + wd * w0.norm()) * (g + wd * w0)
+    expected = w0 - ((1 + m) * step if cfg["nesterov"] and m > 0 else step)
+    torch.testing.assert_close(w.detach().double(), expected, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_the_summary_pools_finished_runs_and_counts_those_that_reached_the_target():
