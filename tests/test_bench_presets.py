@@ -13,9 +13,41 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import bench_presets  # noqa: E402
 
 
-def test_breakdown_times_each_part_of_a_step_and_the_host():
+def test_breakdown_times_each_part_of_a_step_and_the_host(monkeypatch):
+    """Each part's timer runs that part and only it (a time says nothing of what was timed): counted by calls
+    of the augmentation (the batch), of forward_backward and of the optimizer's step within each timing."""
+    import train_cifar
+    counts = dict(batch=0, forward_backward=0, optimizer=0)
+    real_augment, real_fb, real_make_optimizer = bench_presets.tb.augment, train_cifar.forward_backward, \
+        train_cifar.make_optimizer
+
+    def counting(name, fn):
+        def wrapped(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    def make_optimizer(*args, **kwargs):
+        opt = real_make_optimizer(*args, **kwargs)
+        opt.step = counting("optimizer", opt.step)
+        return opt
+    monkeypatch.setattr(bench_presets.tb, "augment", counting("batch", real_augment))
+    monkeypatch.setattr(train_cifar, "forward_backward", counting("forward_backward", real_fb))
+    monkeypatch.setattr(train_cifar, "make_optimizer", make_optimizer)
+    timed, real_time_steps = [], bench_presets.time_steps
+
+    def time_steps(*args, **kwargs):
+        before = dict(counts)
+        result = real_time_steps(*args, **kwargs)
+        timed.append({k: counts[k] - before[k] for k in counts})
+        return result
+    monkeypatch.setattr(bench_presets, "time_steps", time_steps)
     r = bench_presets.measure("fast94", torch.device("cpu"), steps=2, repeats=2, breakdown=True,
                               overrides=dict(widths=(8, 16, 16), batch_size=64, precision="fp32"))
+    calls = 2 + 2 * 2  # warm-up and timed calls of each part
+    assert timed[-3:] == [dict(batch=calls, forward_backward=0, optimizer=0),
+                          dict(batch=0, forward_backward=calls, optimizer=0),
+                          dict(batch=0, forward_backward=0, optimizer=calls)]
     assert r["losses_finite"] and r["train_flops_per_run"] > 0
     parts = r["seconds_by_part"]
     assert set(parts) == {"batch", "forward_backward", "optimizer"} and all(m > 0 for m, _ in parts.values())

@@ -515,12 +515,16 @@ def test_utc_timestamp_is_utc_whatever_the_local_time_zone(monkeypatch):
     monkeypatch.setenv("TZ", "Asia/Kolkata")  # +05:30 all year
     time.tzset()
     try:
+        before = time.time()
         stamp = core.utc_timestamp()
+        after = time.time()
     finally:
         monkeypatch.undo()
         time.tzset()
     parsed = datetime.datetime.fromisoformat(stamp)
     assert parsed.utcoffset() == datetime.timedelta(0) and parsed.microsecond == 0 and len(stamp) == 25
+    # the instant it names is now (to the second): local time labelled +00:00 would be 5.5 hours off
+    assert int(before) - 1 <= parsed.timestamp() <= after + 1
 
 
 def test_folder_option_leaves_no_folder_as_no_folder_and_refuses_a_file(tmp_path):

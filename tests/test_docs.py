@@ -112,5 +112,15 @@ def test_every_command_line_option_says_what_it_is(script):
     calls = [node for node in ast.walk(tree)
              if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument"]
     assert calls
-    silent = [ast.unparse(c)[:80] for c in calls if not any(k.arg == "help" for k in c.keywords)]
+    def says_something(call):
+        """A help text given, and not one that says nothing: an empty or blank string, or argparse.SUPPRESS
+        (which hides the option from --help)."""
+        helps = [k.value for k in call.keywords if k.arg == "help"]
+        if not helps:
+            return False
+        value = helps[0]
+        if isinstance(value, ast.Constant):
+            return isinstance(value.value, str) and value.value.strip() != ""
+        return not (isinstance(value, ast.Attribute) and value.attr == "SUPPRESS")
+    silent = [ast.unparse(c)[:80] for c in calls if not says_something(c)]
     assert not silent, silent

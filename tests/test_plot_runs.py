@@ -76,9 +76,21 @@ def test_bad_logs_exit_2_with_one_line(tmp_path, capsys, content, message):
     assert plot_runs.main([str(tmp_path / "missing.json")]) == 2
 
 
-def test_a_log_without_a_target_is_drawn_without_its_line(logged, tmp_path, capsys):
-    """A config without "target" (or a null one) was a KeyError, then a TypeError, where the target's line is drawn."""
+def target_lines(fig):
+    """The heights of the accuracy panel's horizontal lines across the whole panel (axhline: x from 0 to 1)."""
+    return [line.get_ydata()[0] for line in fig.axes[0].get_lines()
+            if list(line.get_xdata()) == [0, 1] and len(set(line.get_ydata())) == 1]
+
+
+def test_a_log_without_a_target_is_drawn_without_its_line(logged, tmp_path, capsys, monkeypatch):
+    """A config without "target" (or a null one) was a KeyError, then a TypeError, where the target's line is drawn.
+    With a target, one line at it (in %); without one, no line (not one at a target made up)."""
     log = json.loads(open(logged[0]).read())
+    out = str(tmp_path / "x.png")
+    target = log["config"]["target"]
+    assert target is not None
+    fig = drawn_figure(monkeypatch, lambda: plot_runs.main([logged[0], "--out", out]))
+    assert target_lines(fig) == pytest.approx([100 * target])
     for target in ("absent", None):
         if target == "absent":
             del log["config"]["target"]
@@ -86,7 +98,8 @@ def test_a_log_without_a_target_is_drawn_without_its_line(logged, tmp_path, caps
             log["config"]["target"] = None
         path = tmp_path / "no-target.json"
         path.write_text(json.dumps(log))
-        assert plot_runs.main([str(path), "--out", str(tmp_path / "x.png")]) == 0 and (tmp_path / "x.png").exists()
+        fig = drawn_figure(monkeypatch, lambda: plot_runs.main([str(path), "--out", out]))
+        assert os.path.exists(out) and target_lines(fig) == []
 
 
 def write_reference(path, rows):

@@ -276,6 +276,38 @@ def test_halton_has_lower_discrepancy_than_random_points():
     assert empty > 10
 
 
+def discrepancy_by_definition(x, m=600):
+    """Hickernell's centred L2 discrepancy as its definition reads, integrated on a midpoint grid of m per axis:
+    over every non-empty set u of coordinates, the mean square of the local discrepancy (share of the points
+    inside minus the volume) of the box from each x_u to the corner of [0, 1]^u nearest it."""
+    import itertools
+    x = np.asarray(x, float)
+    n, d = x.shape
+    g = (np.arange(m) + 0.5) / m
+    total = 0.0
+    for k in range(1, d + 1):
+        for u in itertools.combinations(range(d), k):
+            grids = np.meshgrid(*([g] * k), indexing="ij")
+            inside, vol = np.ones((n,) + (m,) * k, bool), np.ones((m,) * k)
+            for axis, j in enumerate(u):
+                c, p = grids[axis], x[:, j].reshape((n,) + (1,) * k)
+                low = c < 0.5  # the nearest corner's side: [0, c) below the middle, [c, 1] above it
+                vol = vol * np.where(low, c, 1 - c)
+                inside &= np.where(low, p < c, p >= c)
+            total += ((inside.mean(0) - vol) ** 2).mean()
+    return math.sqrt(total)
+
+
+def test_discrepancy_matches_its_definition():
+    """The closed form the Halton test relies on, against its definition (needs no scipy, which the test below
+    skips without and requirements-dev.txt does not install)."""
+    rng = np.random.default_rng(0)
+    for d in (1, 2):
+        for n in (1, 5, 12):
+            x = rng.random((n, d))
+            assert centered_l2_discrepancy(x) == pytest.approx(discrepancy_by_definition(x), rel=5e-3)
+
+
 def test_discrepancy_matches_scipy():
     qmc = pytest.importorskip("scipy.stats.qmc")
     x = sbs.scrambled_halton(40, 4, seed=1)
