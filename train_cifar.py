@@ -1375,6 +1375,9 @@ def config_from_log(path):
     return preset, options, log, predated
 
 
+CHECKS_ONLY = {"sync_check"}  # options that check a run and never change what it computes
+
+
 def describe_rerun(log_path, logged, preset, options, overrides, predated):
     """What --from-log prints before it trains: the log's provenance and what this rerun changes or lacks."""
     first, last = overrides["seed"], overrides["seed"] + overrides["runs"] - 1
@@ -1390,6 +1393,7 @@ def describe_rerun(log_path, logged, preset, options, overrides, predated):
     world = int(os.environ.get("WORLD_SIZE", 1))
     if logged.get("world_size", 1) != world:
         lines.append(f"the log ran {logged.get('world_size', 1)} processes, this {world}: the runs may differ")
+    predated = [k for k in predated if k not in CHECKS_ONLY]
     if predated:
         lines.append(f"the log predates {', '.join('--' + k.replace('_', '-') for k in predated)}: they take "
                      "their defaults, so the rerun may differ")
