@@ -436,7 +436,7 @@ def allocator_hint(device):
     lib = find_allocator_library("jemalloc") or find_allocator_library("tcmalloc_minimal")
     lib = lib or "libjemalloc.so.2 (apt-get install libjemalloc2)"
     return (f"note: glibc's allocator page-faults on every step; with LD_PRELOAD={lib} MALLOC_CONF={JEMALLOC_CONF} "
-            "training ran 1.2-1.4x faster on CPUs here (README: CPU speed)")
+            "training ran 1.2-1.4x faster on CPUs here (SPEED.md: CPU speed)")
 
 
 def device_name(device):
