@@ -390,6 +390,15 @@ def init_distributed(timeout_s=300.0):
     return rank, world_size, local_rank
 
 
+def lost_peer(error):
+    """Whether `error` is a collective that failed because another process of the job died, hung or closed its
+    connections (gloo raises a plain RuntimeError naming itself; NCCL a DistBackendError)."""
+    if not isinstance(error, RuntimeError) or not dist.is_initialized() or dist.get_world_size() < 2:
+        return False
+    return isinstance(error, getattr(dist, "DistError", ())) or any(
+        s in str(error) for s in ("gloo", "NCCL", "by peer", "Timed out"))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Alpha-beta cost model of the all-reduce (latency alpha per message, bandwidth beta per link direction)
 

@@ -229,11 +229,14 @@ def plan(settings, batch_sizes, trials, n_train, shard=None, order=()):
     """Trial-major order: trial 0 at every batch size, then trial 1, ... (a partial study is a rough curve).
     order: trials to run first, in this order (the rest follow in index order), e.g. those that did best at a
     smaller batch size, so a study cut short has spent its time where the target is likeliest.
-    shard (K, N): every N-th trial from the K-th, so each of N shards spans all batch sizes."""
+    shard (K, N): every N-th trial from the K-th of the trial-major plan without `order`, so each of N shards spans
+    all batch sizes, and shards given different orders still split the study between them (sharding the
+    reordered plan ran some trials in two shards and others in none)."""
     first = [t for t in dict.fromkeys(order) if t < trials]
     ts = first + [t for t in range(trials) if t not in first]
-    specs = [make_trial(settings, b, t, n_train) for t in ts for b in sorted(batch_sizes)]
-    return specs[shard[0]::shard[1]] if shard else specs
+    keys = [(t, b) for t in range(trials) for b in sorted(batch_sizes)]
+    mine = set(keys[shard[0]::shard[1]] if shard else keys)
+    return [make_trial(settings, b, t, n_train) for t in ts for b in sorted(batch_sizes) if (t, b) in mine]
 
 
 def run_trial(spec, data, preset, device=None, log=lambda *a: None):
@@ -537,7 +540,7 @@ def fmt_cell(v):
 
 def write_summary(out, settings, records, status):
     rows, regimes, trend = summarise(records)
-    tmp = os.path.join(out, "summary.tsv.tmp")
+    tmp = os.path.join(out, f"summary.tsv.tmp{os.getpid()}")  # (per process: shards finishing together)
     with open(tmp, "w") as f:
         f.write("\t".join(SUMMARY_COLUMNS) + "\n")
         for r in rows:
@@ -825,7 +828,7 @@ def parse_args(argv):
             p.error(f"--trial-order takes trial numbers from 0 to {args.trials - 1}")
         if args.shard is not None:
             k, sep, n = args.shard.partition("/")
-            if not (sep and k.isdigit() and n.isdigit() and 0 <= int(k) < int(n)):
+            if not (sep and k.isdecimal() and n.isdecimal() and 0 <= int(k) < int(n)):  # ("²".isdigit())
                 p.error(f"--shard expects K/N with 0 <= K < N, got {args.shard!r}")
             args.shard = (int(k), int(n))
         try:

@@ -402,6 +402,8 @@ def parse_args(argv):
     args.factors = core.distinct_values("--factors", args.factors, show=lambda f: f"{f:g}")
     if any(f < 1 for f in args.factors) or args.seeds < 1:
         p.error("factors must be >= 1 and --seeds >= 1")
+    if args.loader_workers is not None and args.pipeline != "loader":  # (ignored, yet a setting a resume compared)
+        p.error("--loader-workers has no effect without --pipeline loader")
     if args.no_r and args.remeasure_r:  # (--no-r won: R was silently not measured)
         p.error("--no-r and --remeasure-r contradict each other; give one")
     if args.train_subset < 0 or args.r_batches < 1:

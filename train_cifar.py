@@ -1125,6 +1125,21 @@ def summarise(cfg, results, hardware, precision, flops_per_step, steps, flops_pe
         time_to_target_mean_s=ttt_mean, time_to_target_std_s=ttt_std)
 
 
+def check_same_on_every_rank(cfg):
+    """Every rank's config against rank 0's (a collective: call it on every rank): ranks given other options (a
+    seed, epochs, batch size) trained on overlapping data, hung in a collective until its timeout, or failed
+    deep in DDP with a traceback. A ValueError on every rank naming what differs."""
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, cfg)
+    for rank, other in enumerate(everyone):
+        differs = sorted(k for k in set(everyone[0]) | set(other) if everyone[0].get(k) != other.get(k))
+        if differs:
+            what = ", ".join(f"{k.replace('_', '-')} {everyone[0].get(k)!r} on rank 0, {other.get(k)!r} on rank "
+                             f"{rank}" for k in differs)
+            raise ValueError(f"the processes were given different options ({what}); start every rank with the "
+                             "same command")
+
+
 def check_runnable(cfg, n_train, device=None, world=1):
     """What train() refuses once it knows the data (n_train training images, before any holdout) and the device,
     as a ValueError: for the studies and benchmarks, which build runs of their own, to refuse before any work."""
@@ -1206,6 +1221,9 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
     data = tb.validate(dict(data), "data")
     data_id = tb.dataset_fingerprint(data) if rank == 0 else None  # (0.1 s; only rank 0 writes logs)
     check_runnable(cfg, len(data["train_y"]), device, world)
+    if world > 1:  # ranks started by hand (or on several nodes) with other options trained apart, or hung
+        check_same_on_every_rank(dict({k: v for k, v in cfg.items() if k != "cpu_conv"},  # (each CPU its kernels)
+                                      train_images=len(data["train_y"]), test_images=len(data["test_y"])))
     if cfg["holdout"]:  # a fixed split, the same for every run and seed
         order = np.random.default_rng(0).permutation(len(data["train_y"]))
         held, kept = order[:cfg["holdout"]], order[cfg["holdout"]:]
@@ -1282,7 +1300,9 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
             if json_path:  # rewritten after every run so a crash keeps the finished ones
                 core.write_json_atomic(json_path, summarise(cfg, results, hardware, precision, flops_per_step, steps,
                                                             flops_per_run, commit, data_id))
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM under main(): say what is kept, then stop as asked
+    except (KeyboardInterrupt, RuntimeError) as e:  # Ctrl-C, SIGTERM under main(), or a lost peer: say what is kept
+        if isinstance(e, RuntimeError) and not parallel.lost_peer(e):
+            raise
         if progress:  # (before the line below; the finally clears nothing then)
             progress.clear()
         kept = ""
@@ -1293,7 +1313,8 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
             log(f"interrupted: run {len(results)} stopped{kept}; the same command resumes it from {checkpoint}'s "
                 "last epoch")
         else:
-            log(f"interrupted: run {len(results)} in flight is lost{kept}")
+            what = "interrupted" if isinstance(e, KeyboardInterrupt) else "another process of the job failed"
+            log(f"{what}: run {len(results)} in flight is lost{kept}")
         raise
     finally:
         if progress:  # (an interrupted epoch leaves its line)
@@ -1655,6 +1676,11 @@ def main(argv=None):
         parser.exit(1, f"{parser.prog}: {e}\n")
     except KeyboardInterrupt:
         parser.exit(130, f"{parser.prog}: interrupted\n")  # (exit_with makes it 143 where SIGTERM stopped it)
+    except RuntimeError as e:  # another rank died or hung: one line, not gloo's traceback from inside backward()
+        if not parallel.lost_peer(e):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        parser.exit(1, f"{parser.prog}: error: another process of the job failed or stopped ({first})\n")
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

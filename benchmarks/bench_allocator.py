@@ -21,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import core  # noqa: E402
 import torch_backend as tb  # noqa: E402
+import train_cifar  # noqa: E402
 
 
 INSTALL = {"jemalloc": "libjemalloc2", "tcmalloc": "libtcmalloc-minimal4"}  # Debian/Ubuntu packages
@@ -40,7 +41,7 @@ def allocators():
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--presets", nargs="+", default=["fast94-sgd"],  # the recipe of its logged numbers
+    p.add_argument("--presets", nargs="+", default=["fast94-sgd"], choices=list(train_cifar.PRESETS),  # (logged)
                    help="presets to time (default: fast94-sgd)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed to bench_presets.py")
     p.add_argument("--steps", type=int, default=5, help="training steps per timed repeat")
@@ -53,6 +54,9 @@ def main():
     if min(a.steps, a.repeats) < 1 or (a.threads is not None and a.threads < 1):
         p.error("--steps, --repeats and --threads must be at least 1")
     try:  # before any allocator is timed: a measurement must not end on a file it cannot append to
+        overrides = core.parse_overrides(a.set)  # (each child rejected a bad one with its usage, exit 1)
+        for preset in a.presets:
+            train_cifar.make_config(preset, **overrides)
         if a.out:
             core.writable_file(a.out, "--out")
     except ValueError as e:

@@ -37,6 +37,20 @@ def test_impossible_counts_exit_2_before_anything_is_written(tmp_path, script, a
     assert not out.exists() and os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--presets", "nope"], "argument --presets: invalid choice: 'nope'"),
+    (["--set", "batch_size=0"], "batch size must be a positive integer, got 0"),
+    (["--set", "nope=1"], "nope"),
+])
+def test_bench_allocator_refuses_bad_presets_and_sets_itself(tmp_path, args, message):
+    """They went to every bench_presets.py child unchecked: each failed with its own usage text and exit 1 after
+    the allocators were found (review 2026-12-05)."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_allocator.py"), *args, "--out",
+                        str(tmp_path / "out.jsonl")], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 2 and "bench_allocator.py: error: " in r.stderr and message in r.stderr, r.stderr
+    assert "bench_presets.py" not in r.stderr and not (tmp_path / "out.jsonl").exists()
+
+
 @pytest.mark.parametrize("script, args, message", [
     ("bench_presets.py", ["--log-dir", "/dev/null/logs"], "argument --log-dir: folder /dev/null/logs: cannot write"),
     ("eval_tta.py", ["missing.pt", "--log-dir", "/dev/null/logs"], "folder /dev/null/logs: cannot write"),

@@ -79,6 +79,55 @@ def test_indivisible_global_batch_fails_on_every_rank(tiny_npz, tmp_path):
     assert not list(tmp_path.glob("*.json"))
 
 
+@pytest.mark.parametrize("other, differs", [(["--seed", "5"], "seed 0 on rank 0, 5 on rank 1"),
+                                           (["--epochs", "4"], "epochs 2.0 on rank 0, 4.0 on rank 1")])
+def test_ranks_given_different_options_fail_on_every_rank(tiny_npz, tmp_path, other, differs):
+    """Ranks started by hand with different options: another seed trained both ranks on overlapping shards and
+    logged rank 0's seed (exit 0); other epochs hung rank 0 in a collective until the timeout (review 2026-12-05)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    ranks = [subprocess.Popen([sys.executable, SCRIPT, "--data", tiny_npz, "--log-dir", str(tmp_path / "logs"), *TINY,
+                               *(other if rank == "1" else [])], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=dict(env, RANK=rank, LOCAL_RANK=rank)) for rank in ("0", "1")]
+    try:
+        errs = [p.communicate(timeout=120)[1] for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait()
+    for p, err in zip(ranks, errs):
+        assert p.returncode == 2 and "Traceback" not in err, err
+        assert err.startswith(f"train_cifar.py: error: the processes were given different options ({differs}"), err
+    assert not (tmp_path / "logs").exists() or not list((tmp_path / "logs").glob("*.json"))
+
+
+def test_a_rank_killed_mid_run_ends_the_other_with_one_line_and_its_rows_kept(tiny_npz, tmp_path):
+    """kill -9 of rank 1 while both train: rank 0 printed gloo's RuntimeError traceback from inside backward()
+    (review 2026-12-05); now one line naming the lost peer, exit 1, and the TSV rows it wrote are kept."""
+    import time
+    import core
+    env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    args = [sys.executable, SCRIPT, "--data", tiny_npz, *TINY, "--epochs", "2000", "--tta", "0"]
+    ranks = [subprocess.Popen(args + (["--log-dir", str(tmp_path)] if rank == "0" else []), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=dict(env, RANK=rank, LOCAL_RANK=rank))
+             for rank in ("0", "1")]
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and not (list(tmp_path.glob("*.tsv")) and
+                                              len(core.read_tsv(str(next(tmp_path.glob("*.tsv"))))) >= 2):
+            assert ranks[0].poll() is None, ranks[0].communicate()[1]
+            time.sleep(0.2)
+        ranks[1].kill()
+        out, err = ranks[0].communicate(timeout=120)
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait()
+    assert ranks[0].returncode == 1 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("train_cifar.py: error: another process of the job failed")
+    (tsv,) = tmp_path.glob("*.tsv")
+    assert f"run 0 in flight is lost; every epoch's row in {tsv}" in out and len(core.read_tsv(str(tsv))) >= 2
+
+
 def test_lr_scaling_and_warmup_compose_with_the_preset_schedule():
     cfg = train_cifar.make_config("resnet9", batch_size=2048, lr_scaling="linear", warmup_epochs=2)
     assert cfg["reference_batch_size"] == 512

@@ -410,6 +410,39 @@ def test_any_number_of_shards_partitions_the_plan():
             assert sorted(key for shard in shards for key in shard) == sorted(whole) and len(set(whole)) == 15
 
 
+def test_shards_given_different_trial_orders_still_partition_the_plan():
+    """--trial-order changes when a trial runs, not which shard runs it: shard 0/2 as planned and shard 1/2 with
+    --trial-order 1 ran (0, 16), (0, 64) and (1, 32) twice and (0, 32), (1, 16), (1, 64) never (review 2026-12-05)."""
+    s = sbs.study_settings("cpu", "sgd")
+    whole = sorted(sbs.trial_key(p) for p in sbs.plan(s, [16, 32, 64], 2, 45000))
+    for orders in (((), (1,)), ((1,), ()), ((1, 0), (0,))):
+        shards = [sbs.trial_key(p) for k, order in enumerate(orders)
+                  for p in sbs.plan(s, [16, 32, 64], 2, 45000, shard=(k, 2), order=order)]
+        assert sorted(shards) == whole
+
+
+@pytest.mark.parametrize("shard", ["2/2", "0/0", "0/2/3", "+0/2", "\u00b2/3", "0/\u00b3"])
+def test_a_bad_shard_is_a_one_line_usage_error(tmp_path, capsys, shard):
+    """'²/3' passed str.isdigit() and then failed int() with a ValueError traceback (review 2026-12-05)."""
+    with pytest.raises(SystemExit) as e:
+        sbs.main(["run", "--trials", "1", "--batch-sizes", "16", "--shard", shard, "--dry-run", "--out", str(tmp_path)])
+    assert e.value.code == 2 and f"--shard expects K/N with 0 <= K < N, got {shard!r}" in capsys.readouterr().err
+
+
+def test_shards_finishing_together_do_not_share_a_temporary_summary(tmp_path):
+    """Every shard writes the folder's summary when it ends; all wrote it through one summary.tsv.tmp, so two
+    finishing together replaced each other's file mid-write and one failed with FileNotFoundError (4 processes
+    writing at once: 1 write in 5 failed; review 2026-12-05). Another shard's temporary file is left alone."""
+    settings = sbs.study_settings("cpu", "sgd")
+    recs = [dict(spec, settings=settings, reached=True, steps_to_target=100, best_acc=0.7, diverged=False)
+            for spec in sbs.plan(settings, [16, 32], 1, 45000)]
+    in_flight = tmp_path / "summary.tsv.tmp"
+    in_flight.write_text("another shard's summary, half written")
+    sbs.write_summary(str(tmp_path), settings, recs, "complete")
+    assert in_flight.read_text() == "another shard's summary, half written"
+    assert len(core.read_tsv(str(tmp_path / "summary.tsv"))) == 2 and not list(tmp_path.glob("summary.tsv.tmp?*"))
+
+
 def test_trial_order_outside_the_trials_is_a_usage_error(tmp_path):
     with pytest.raises(SystemExit):
         sbs.main(["run", "--trials", "2", "--trial-order", "2", "--dry-run", "--out", str(tmp_path)])

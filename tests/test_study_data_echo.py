@@ -187,7 +187,9 @@ def test_options_that_would_fail_a_run_are_usage_errors_before_any_run(tmp_path,
     (["--set", "echo=batch", "--set", "echo_factor=3"], "--set echo, echo_factor: the study sets these itself for "
                                                         "every run (see --factors, --modes)"),
     (["--set", "target=0.5", "--target", "0.6"], "--set target= and --target both given; give it once"),
-    (["--set", "loader_workers=1", "--loader-workers", "2"], "--set loader_workers= and --loader-workers both given"),
+    (["--set", "loader_workers=1", "--loader-workers", "2", "--pipeline", "loader"],
+     "--set loader_workers= and --loader-workers both given"),
+    (["--loader-workers", "2"], "--loader-workers has no effect without --pipeline loader"),  # (ran, ignoring it)
 ])
 def test_options_the_study_sets_itself_are_usage_errors(tmp_path, capsys, args, message):
     """--set seed=3 failed every run with a TypeError (train() got seed twice) after R was measured; --set echo
