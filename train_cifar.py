@@ -1194,14 +1194,15 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
     cfg = make_config(preset, **overrides)
     # Before joining the process group, on every rank: a bad combination, or a log folder that cannot be written
     # (no run may end on a log it cannot write), then fails each rank on its own; none waits for another.
-    check_distributed(cfg, int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ else 1)
+    launched_world = int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ else 1
+    check_distributed(cfg, launched_world)
+    if checkpoint and launched_world > 1:  # (before its folder is made)
+        raise ValueError("--checkpoint is for single-process runs")
     if log_dir:
         core.writable_folder(log_dir, "log-dir")
     if checkpoint:
         os.makedirs(core.writable_folder(os.path.dirname(checkpoint) or ".", "checkpoint's folder"), exist_ok=True)
     rank, world, local_rank = parallel.init_distributed()
-    if checkpoint and world > 1:
-        raise ValueError("--checkpoint is for single-process runs")
     if rank != 0:
         log, log_dir = (lambda *a: None), None
     if progress is None and rank == 0 and sys.stderr.isatty():

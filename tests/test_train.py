@@ -107,6 +107,15 @@ def test_sync_check_refuses_at_once_what_reads_the_host_by_design(monkeypatch, o
             assert train_cifar.host_reads_by_design(train_cifar.make_config(preset), precision) == []
 
 
+def test_a_checkpoint_under_several_processes_is_refused_before_its_folder_is_made(monkeypatch, tmp_path, tiny):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    folder = tmp_path / "ckpt"
+    with pytest.raises(ValueError, match="--checkpoint is for single-process runs"):
+        train_cifar.train("fast94", data=tiny, checkpoint=str(folder / "run.pt"), **TINY_FAST)
+    assert not folder.exists()
+
+
 def test_a_device_that_cannot_run_is_refused_saying_why(monkeypatch):
     """Not an AssertionError from deep in torch.cuda after the data has loaded."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
