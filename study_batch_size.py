@@ -673,7 +673,9 @@ def _finish_log_log_plot(fig, ax, batch_sizes, path):
     if ax.get_legend_handles_labels()[0]:  # (nothing reached the target: an empty legend warns)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    tmp = f"{path[:-len('.png')]}.tmp{os.getpid()}.png"  # whole or not at all, also with shards ending together
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, path)
     import matplotlib.pyplot as plt  # matplotlib is imported only where a plot is drawn
     plt.close(fig)
     return path
@@ -947,6 +949,12 @@ def cmd_run(parser, args):
         records = [r for r in read_folder(args.out) if r.get("settings") == settings]
     except StudyError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    if status == "complete" and args.shard:  # this shard's part is done; the folder's only once every shard's is
+        done = {trial_key(r) for r in records}
+        whole = plan(settings, args.batch_sizes, args.trials, n_train)
+        left = sum(trial_key(spec) not in done for spec in whole)
+        if left:
+            status = f"partial: {left} of {len(whole)} trials left to other shards"
     if records:
         rows, regimes, trend = write_summary(args.out, settings, records, status)
         report(rows, regimes, trend)

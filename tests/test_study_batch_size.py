@@ -684,13 +684,18 @@ def test_shards_split_the_plan_and_share_one_folder(tmp_path, capsys):
     sbs.main(argv + ["--shard", "1/2"])
     shard1 = sbs.read_trials(str(out / "trials-shard1of2.jsonl"))
     assert [(r["batch_size"], r["trial"]) for r in shard1] == [(50, 0), (50, 1)]  # plan items 1 and 3
+    # not "complete" while the other shard's half is still to run (it said so, with 2 of 4 trials in the folder)
+    assert json.loads((out / "summary.json").read_text())["status"] == "partial: 2 of 4 trials left to other shards"
+    assert sorted(p.name for p in out.glob("*.png")) == ["best_lr.png", "steps_to_target.png"]  # no temporary left
     sbs.main(argv)  # unsharded: runs only what no shard has done
     assert "2 finished trial(s)" in capsys.readouterr().out
     assert [(r["batch_size"], r["trial"]) for r in sbs.read_trials(str(out / "trials.jsonl"))] == [(25, 0), (25, 1)]
     assert len(sbs.read_folder(str(out))) == 4
     summary = json.loads((out / "summary.json").read_text())
     assert summary["trials"] == 4 and [r["trials"] for r in summary["rows"]] == [2, 2]
+    assert summary["status"] == "complete"
     sbs.main(argv + ["--shard", "0/2"])  # everything is done
+    assert json.loads((out / "summary.json").read_text())["status"] == "complete"  # (shard 0's part: by the others)
     assert not (out / "trials-shard0of2.jsonl").exists() or not sbs.read_trials(str(out / "trials-shard0of2.jsonl"))
     with pytest.raises(SystemExit):
         sbs.main(argv + ["--shard", "2/2"])
