@@ -1576,8 +1576,7 @@ def parse_args(argv):
     tb.add_device_option(p)
     p.add_argument("--checkpoint", default=None,
                    help="save the run after every epoch and resume from this file if it exists (--runs 1)")
-    keys = sorted(set(COMMON) | {k for cfg in PRESETS.values() for k in cfg})
-    for k in keys:
+    for k in OPTION_HELP:  # in its order, related options together (the run, precision, the net, the schedule, ...)
         example = next(cfg[k] for cfg in [COMMON, *PRESETS.values()] if k in cfg)
         flag = "--" + k.replace("_", "-")
         shown = f"{preset}: {as_flag_value(values[k])}\n{OPTION_HELP[k]}".replace("%", "%%")  # argparse formats %

@@ -243,6 +243,9 @@ def test_every_option_says_what_it_means():
     for key, meaning in train_cifar.OPTION_HELP.items():
         flag = "--" + key.replace("_", "-")
         assert re.search(rf"{flag}\b[^\n]*\n?\s+fast94: [^\n]*\n\s+{re.escape(meaning)}\n", help_text), flag
+    # listed as OPTION_HELP groups them (--runs and --seed first, not --allreduce as the alphabet had it)
+    shown = [m for m in re.findall(r"^  --([a-z-]+)", help_text, re.M) if m.replace("-", "_") in keys]
+    assert shown == [k.replace("_", "-") for k in train_cifar.OPTION_HELP]
 
 
 def test_missing_data_exits_2_and_names_the_path(tmp_path):
