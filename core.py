@@ -297,20 +297,21 @@ class JsonlError(ValueError):
     """A file where an append-only file of JSON records was expected that is none (a folder, binary data)."""
 
 
-def read_jsonl(path, repair=False, warn=lambda m: print(m, file=sys.stderr)):
+def read_jsonl(path, repair=False, warn=lambda m: print(m, file=sys.stderr), error=JsonlError):
     """(line number, value) for each line of an append-only JSONL file (a study's records) that parses. A line
     that does not (cut short by a crash) is skipped with a warning; with repair=True a torn last line is also cut
     off the file, and a complete last line without its newline gets one, so the next append starts a line of its
     own (appended onto a torn line, a record was lost for good). A folder or binary data (a NUL byte, which JSON
-    text never holds) is a JsonlError, raised before any repair: a file the study never wrote is not cut."""
+    text never holds) is an `error` (the caller's kind, else JsonlError), raised before any repair: a file the
+    study never wrote is not cut."""
     if not os.path.exists(path):
         return []
     if os.path.isdir(path):
-        raise JsonlError(f"{path} is a folder, not a file of records")
+        raise error(f"{path} is a folder, not a file of records")
     with open(path, "rb") as f:
         raw = f.read()
     if b"\0" in raw:  # (an .npz in its place printed a warning for each of its thousands of "lines", then cut it)
-        raise JsonlError(f"{path} holds binary data, not JSON records; move it away")
+        raise error(f"{path} holds binary data, not JSON records; move it away")
     lines = raw.split(b"\n")
     tail = lines.pop()  # b"" when the file ends with a newline
     values = []

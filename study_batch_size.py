@@ -318,11 +318,7 @@ def read_trials(path, repair=False, warn=lambda m: print(m, file=sys.stderr)):
     """Records of trials.jsonl (core.read_jsonl: a line torn by a crash skipped, or with repair cut off). A line
     that parses but is no trial record (edited, or another file) is a StudyError naming it."""
     records = []
-    try:
-        lines = core.read_jsonl(path, repair, warn)
-    except core.JsonlError as e:
-        raise StudyError(str(e)) from None
-    for n, rec in lines:
+    for n, rec in core.read_jsonl(path, repair, warn, error=StudyError):
         problem = record_problem(rec)
         if problem:
             raise StudyError(f"{path}:{n} is not a trial record of this study ({problem}); fix or remove that line")

@@ -159,11 +159,7 @@ def read_results(path, repair=False, warn=lambda m: print(m, file=sys.stderr)):
     """Finished runs from the JSONL file (core.read_jsonl: a line torn by a crash skipped, or with repair cut
     off). A line that parses but is no run record (edited, or another file) is a ResultsError naming it."""
     records, seen = [], {}
-    try:
-        lines = core.read_jsonl(path, repair, warn)
-    except core.JsonlError as e:
-        raise ResultsError(str(e)) from None
-    for n, rec in lines:
+    for n, rec in core.read_jsonl(path, repair, warn, error=ResultsError):
         problem = core.field_problem(rec, RUN_FIELDS) or (
             core.field_problem(rec, REACHED_FIELDS) if rec.get("reached") else None)
         if problem:
