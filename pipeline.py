@@ -119,7 +119,7 @@ class BatchStream:
             order = shuffle_buffer_order(len(items), self.buffer, gen).to(self.device)
             items, aug_ids = items[order], aug_ids[order]
         draws = tb.draw_augmentation(self._augmentations(items), cfg["pad"], cfg["cutout"], cfg["flip"] == "random",
-                                     gen, self.device)
+                                     gen, self.device, jitter=cfg.get("color_jitter", (0.0, 0.0)))
         self.aug = {k: v[aug_ids] for k, v in draws.items()}
         if cfg["flip"] == "alternate":  # each image's flip is random once, then alternates every pass
             self.aug["flip"] = self.base_flip[items] ^ bool((self.passes - 1) % 2)

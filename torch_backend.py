@@ -255,18 +255,25 @@ def to_device(data, device, dtype, pad=0):
                 test_x=test.to(dtype), test_y=torch.from_numpy(data["test_y"]).to(device))
 
 
-def draw_augmentation(n, pad, cutout, flip, generator, device, size=32):
-    """Random numbers for n examples at once: crop offsets in [0, 2*pad], flip bits, cutout corners."""
+def draw_augmentation(n, pad, cutout, flip, generator, device, size=32, jitter=(0.0, 0.0)):
+    """Random numbers for n examples at once: crop offsets in [0, 2*pad], flip bits, cutout corners, and where
+    jitter = (brightness, contrast) is not zero a brightness shift in [-brightness, brightness] and a contrast
+    factor in [1 - contrast, 1 + contrast] (drawn last, so runs without jitter draw what they always drew)."""
     def randint(high):
         return torch.randint(0, high, (n,), generator=generator, device=device)
     zeros = torch.zeros(n, dtype=torch.long, device=device)
-    return dict(dy=randint(2 * pad + 1) if pad else zeros, dx=randint(2 * pad + 1) if pad else zeros,
-                flip=(randint(2).bool() if flip else zeros.bool()),
-                cy=randint(size - cutout + 1) if cutout else zeros, cx=randint(size - cutout + 1) if cutout else zeros)
+    aug = dict(dy=randint(2 * pad + 1) if pad else zeros, dx=randint(2 * pad + 1) if pad else zeros,
+               flip=(randint(2).bool() if flip else zeros.bool()),
+               cy=randint(size - cutout + 1) if cutout else zeros, cx=randint(size - cutout + 1) if cutout else zeros)
+    if any(jitter):
+        brightness, contrast = jitter
+        aug["shift"] = (torch.rand(n, generator=generator, device=device) * 2 - 1) * brightness
+        aug["scale"] = 1 + (torch.rand(n, generator=generator, device=device) * 2 - 1) * contrast
+    return aug
 
 
 def augment(x_padded_nhwc, index, aug, size=32, cutout=0):
-    """Crop, flip and cut out a batch in a few tensor ops, with no host synchronisation.
+    """Crop, flip, jitter the colours of and cut out a batch in a few tensor ops, with no host synchronisation.
 
     x_padded_nhwc: (N, H+2p, W+2p, C) data set; index: (B,) rows to take; aug: draw_augmentation() for those
     rows. Returns a (B, C, size, size) channels_last batch."""
@@ -276,6 +283,8 @@ def augment(x_padded_nhwc, index, aug, size=32, cutout=0):
         windows = src.unfold(1, size, 1).unfold(2, size, 1)          # (B, 2p+1, 2p+1, C, size, size), a view
         src = windows[torch.arange(len(index), device=index.device), aug["dy"], aug["dx"]].permute(0, 2, 3, 1)
     out = torch.where(aug["flip"][:, None, None, None], src.flip(2), src)  # (B, size, size, C)
+    if "shift" in aug:  # colour jitter on the normalised pixels, before cutout (its square stays the mean colour)
+        out = (out + aug["shift"].to(out.dtype)[:, None, None, None]) * aug["scale"].to(out.dtype)[:, None, None, None]
     if cutout:
         ar = torch.arange(size, device=index.device)
         inside_y = (ar >= aug["cy"][:, None]) & (ar < aug["cy"][:, None] + cutout)
@@ -292,6 +301,8 @@ def augment_reference(x_padded_nhwc, index, aug, size=32, cutout=0):
         img = x_padded_nhwc[i, dy:dy + size, dx:dx + size].permute(2, 0, 1).clone()
         if aug["flip"][b]:
             img = img.flip(2)
+        if "shift" in aug:
+            img = (img + aug["shift"][b].to(img.dtype)) * aug["scale"][b].to(img.dtype)
         if cutout:
             cy, cx = int(aug["cy"][b]), int(aug["cx"][b])
             img[:, cy:cy + cutout, cx:cx + cutout] = 0

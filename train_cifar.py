@@ -33,6 +33,9 @@ import torch_backend as tb
 COMMON = dict(
     precision="auto", target=0.94, runs=1, seed=0, eval_every=1, momentum=0.9, nesterov=True,
     label_smoothing=0.0, bias_lr_scale=1.0, flip="random", pad=4, cutout=0, tta=0,
+    # (brightness, contrast): each training image in each pass becomes (x + b) * c on its normalised pixels, b
+    # drawn in [-brightness, brightness], c in [1 - contrast, 1 + contrast] (as the 2025 A100 record's loader)
+    color_jitter=(0.0, 0.0),
     tta_confidence=0.0,  # > 0: the final evaluation's extra TTA views only for images predicted below it (tb.predict)
     whiten_bias_epochs=0, lookahead_start_epoch=-1, lookahead_every=5, lookahead_decay=0.95, lookahead_pow=3.0,
     lookahead_sync="epoch",  # copy the lookahead average into the net at every epoch end (airbench94) or the "end"
@@ -338,6 +341,9 @@ def check_config(cfg):
     need(0 <= cfg["label_smoothing"] < 1, "label smoothing must be in [0, 1)")
     need(cfg["flip"] in ("none", "random", "alternate"), "flip must be none, random or alternate")
     need(0 <= cfg["pad"] <= 16 and 0 <= cfg["cutout"] <= 32, "pad must be in 0..16 and cutout in 0..32")
+    need(len(cfg["color_jitter"]) == 2 and cfg["color_jitter"][0] >= 0 and 0 <= cfg["color_jitter"][1] < 1,
+         f"color-jitter takes two numbers: brightness >= 0 and contrast in [0, 1), got {tuple(cfg['color_jitter'])}")
+    need(not any(cfg["color_jitter"]) or cfg["pipeline"] == "device", "color-jitter needs pipeline device")
     need(cfg["tta"] in (0, 1, 2), "tta must be 0 (none), 1 (mirror) or 2 (mirror + translate)")
     need(0 <= cfg["tta_confidence"] <= 1, "tta-confidence must be in [0, 1] (0: TTA on every image)")
     need(cfg["precision"] in ("auto", "fp32", "bf16", "fp16"), "precision must be auto, fp32, bf16 or fp16")
@@ -1538,6 +1544,8 @@ OPTION_HELP = dict(
     flip="horizontal flips: random, alternate (each image flipped on alternate epochs) or none",
     pad="random translation: crops from images reflect-padded by this many pixels",
     cutout="side of a square zeroed at a random place in each training image (0: none)",
+    color_jitter="brightness and contrast jitter of each training image: x -> (x + b) * c, b up to +-brightness,\n"
+                 "c within 1 +- contrast, on the normalised pixels (0 0: none)",
     train_sizes="progressive resizing: the training images' side in each epoch, the last repeating (not set: 32)",
     tta="test-time augmentation: 0 none, 1 with the mirror, 2 both also shifted by a pixel (6 views)",
     tta_confidence="run the extra TTA views only on images predicted below this probability (0: on every one)",
@@ -1598,7 +1606,7 @@ def run_options(args):
     log's options, the options it predates)."""
     overrides = {k: v for k, v in vars(args).items()
                  if k not in ("preset", "log_dir", "device", "checkpoint", "from_log") and v is not None}
-    for k in ("lr_knots", "lr_values", "widths", "train_sizes"):
+    for k in ("lr_knots", "lr_values", "widths", "train_sizes", "color_jitter"):
         if k in overrides:
             overrides[k] = tuple(overrides[k])
     rerun = None

@@ -5,15 +5,18 @@ import torch
 import torch_backend as tb
 
 
-@pytest.mark.parametrize("pad, cutout, flip", [(0, 0, False), (2, 0, True), (4, 8, True), (4, 12, False)])
-def test_batched_augmentation_equals_per_sample_loop(pad, cutout, flip):
+@pytest.mark.parametrize("pad, cutout, flip, jitter, dtype", [
+    (0, 0, False, (0, 0), torch.float32), (2, 0, True, (0, 0), torch.float32), (4, 8, True, (0, 0), torch.float32),
+    (4, 12, False, (0, 0), torch.float32), (2, 0, True, (0.14, 0.13), torch.float32),
+    (4, 8, True, (0.5, 0), torch.bfloat16), (2, 6, False, (0, 0.3), torch.bfloat16)])
+def test_batched_augmentation_equals_per_sample_loop(pad, cutout, flip, jitter, dtype):
     gen = torch.Generator().manual_seed(pad * 100 + cutout)
-    data = torch.randn(64, 32 + 2 * pad, 32 + 2 * pad, 3, generator=gen)
+    data = torch.randn(64, 32 + 2 * pad, 32 + 2 * pad, 3, generator=gen).to(dtype)
     index = torch.randperm(64, generator=gen)[:40]
-    aug = tb.draw_augmentation(40, pad, cutout, flip, gen, torch.device("cpu"))
+    aug = tb.draw_augmentation(40, pad, cutout, flip, gen, torch.device("cpu"), jitter=jitter)
     batched = tb.augment(data, index, aug, cutout=cutout)
     reference = tb.augment_reference(data, index, aug, cutout=cutout)
-    assert batched.shape == (40, 3, 32, 32)
+    assert batched.shape == (40, 3, 32, 32) and batched.dtype == dtype
     assert batched.is_contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(batched, reference, rtol=0, atol=0)
 
@@ -39,6 +42,49 @@ def test_augmentation_pixel_by_pixel():
     for out in (tb.augment(data, index, aug, size=size, cutout=cutout),
                 tb.augment_reference(data, index, aug, size=size, cutout=cutout)):
         np.testing.assert_array_equal(out.numpy(), expected)
+
+
+def test_colour_jitter_pixel_by_pixel():
+    """With jitter each output pixel is (its cropped, flipped value + shift) * scale, computed here in float64, and
+    cutout's square stays 0 (the mean colour of the normalised data) after it."""
+    gen = torch.Generator().manual_seed(3)
+    data = torch.randn(5, 12, 12, 3, generator=gen, dtype=torch.float64)
+    index = torch.tensor([4, 1, 1])
+    aug = dict(dy=torch.tensor([0, 2, 1]), dx=torch.tensor([1, 0, 2]), flip=torch.tensor([False, True, False]),
+               cy=torch.tensor([0, 3, 5]), cx=torch.tensor([2, 0, 5]),
+               shift=torch.tensor([0.25, -0.5, 0.0], dtype=torch.float64),
+               scale=torch.tensor([1.5, 0.75, 1.0], dtype=torch.float64))
+    expected = np.zeros((3, 3, 10, 10))
+    for b, i in enumerate(index.tolist()):
+        dy, dx, cy, cx = (int(aug[k][b]) for k in ("dy", "dx", "cy", "cx"))
+        for y in range(10):
+            for x in range(10):
+                src_x = 9 - x if aug["flip"][b] else x
+                cut = cy <= y < cy + 3 and cx <= x < cx + 3
+                for c in range(3):
+                    value = (float(data[i, dy + y, dx + src_x, c]) + float(aug["shift"][b])) * float(aug["scale"][b])
+                    expected[b, c, y, x] = 0 if cut else value
+    for out in (tb.augment(data, index, aug, size=10, cutout=3), tb.augment_reference(data, index, aug, size=10,
+                                                                                      cutout=3)):
+        np.testing.assert_allclose(out.numpy(), expected, rtol=0, atol=1e-12)
+
+
+def test_colour_jitter_draws_cover_their_ranges_and_leave_the_other_draws_alone():
+    """Shifts fill [-brightness, brightness] and scales [1 - contrast, 1 + contrast], independently of each other;
+    they are drawn after the rest, so a run without jitter draws (and trains on) exactly what it did before."""
+    def draw(jitter):
+        return tb.draw_augmentation(20000, 2, 4, True, torch.Generator().manual_seed(7), torch.device("cpu"),
+                                    jitter=jitter)
+    plain, jittered = draw((0, 0)), draw((0.2, 0.1))
+    assert set(plain) == {"dy", "dx", "flip", "cy", "cx"}
+    for k in plain:
+        assert torch.equal(plain[k], jittered[k])
+    shift, scale = jittered["shift"], jittered["scale"]
+    assert -0.2 <= shift.min() < -0.199 and 0.199 < shift.max() <= 0.2 and abs(shift.mean()) < 0.005
+    assert 0.9 <= scale.min() < 0.901 and 1.099 < scale.max() <= 1.1 and abs(scale.mean() - 1) < 0.003
+    assert abs(np.corrcoef(shift.numpy(), scale.numpy())[0, 1]) < 0.03
+    only_contrast = draw((0, 0.3))
+    assert not only_contrast["shift"].any() and 0.7 <= only_contrast["scale"].min() < 0.701
 
 
 def test_draws_cover_their_ranges():

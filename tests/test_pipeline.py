@@ -219,3 +219,22 @@ def test_flip_none_never_flips_and_random_flips_half(mode, factor):
             assert not flips.any()
         else:  # 160 fair coins: 0.5 +- 0.04 sd
             assert 0.3 < flips.float().mean() < 0.7
+
+
+@pytest.mark.parametrize("mode, shared", [("example-after-aug", True), ("example-before-aug", False)])
+def test_colour_jitter_reaches_the_batches_and_follows_each_augmentation(mode, shared):
+    """The stream's batches are the per-sample reference of their draws, jitter included; echoed after
+    augmentation, an example's copies in a pass share one shift and scale, echoed before it each copy has its own."""
+    cfg = dict(CFG, color_jitter=(0.3, 0.2), echo=mode, echo_factor=2, echo_shuffle_buffer=0)
+    data = dict(train_x=torch.randn(40, 36, 36, 3, generator=gen(4)), train_y=torch.arange(40))
+    stream = pipeline.BatchStream(data, cfg, gen(5), torch.device("cpu"))
+    seen = collections.defaultdict(set)
+    for _ in range(10):  # the first pass: 80 echoed examples
+        idx, aug = stream.next_indices()
+        assert aug["shift"].abs().max() <= 0.3 and (aug["scale"] - 1).abs().max() <= 0.2
+        torch.testing.assert_close(stream._augmented(idx, aug)[0], tb.augment_reference(data["train_x"], idx, aug),
+                                   rtol=0, atol=0)
+        for i, s, c in zip(idx.tolist(), aug["shift"].tolist(), aug["scale"].tolist()):
+            seen[i].add((s, c))
+    assert stream.passes == 1 and len(seen) == 40
+    assert all(len(v) == (1 if shared else 2) for v in seen.values())

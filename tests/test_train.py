@@ -43,6 +43,10 @@ def tiny_npz(tmp_path, tiny):
     (["--lr-knots", "0", "5", "9"], "same length"),
     (["--lr-knots", "0", "5", "2", "--lr-values", "0", "1", "0"], "lr-knots must be non-decreasing"),
     (["--label-smoothing", "1"], "label smoothing must be in [0, 1)"),  # every target uniform: nothing to learn
+    (["--color-jitter", "0.1"], "color-jitter takes two numbers: brightness >= 0 and contrast in [0, 1), got (0.1,)"),
+    (["--color-jitter", "0.1", "1"], "contrast in [0, 1), got (0.1, 1.0)"),  # (a factor of 0..2: images inverted)
+    (["--color-jitter", "-0.1", "0.1"], "brightness >= 0"),
+    (["--color-jitter", "0.1", "0.1", "--pipeline", "loader"], "color-jitter needs pipeline device"),
     (["--precision", "fp16", "--device", "cpu"], "fp16 is for CUDA"),
     (["--batch-size", "500"], "exceeds the 200 training images"),
     (["--train-sizes", "12", "32"], "train-sizes must be whole numbers of pixels in 16..32"),
@@ -1518,3 +1522,14 @@ def test_an_infinite_training_loss_ends_the_run_as_diverged(monkeypatch, tiny):
         *step(*a, **k)))
     with pytest.raises(train_cifar.Diverged, match="training loss is inf at epoch 1"):
         train_cifar.train("fast94", data=tiny, epochs=2, **TINY_FAST)
+
+
+def test_colour_jitter_changes_the_training_and_none_is_the_default(tiny):
+    """Plumbing: --color-jitter reaches the batches a run trains on (its loss differs), and 0 0 trains exactly as
+    before the option existed."""
+    def first_loss(**options):
+        summary = train_cifar.train("fast94", data=tiny, epochs=1, lr_knots=(0, 1), **TINY_FAST, **options)
+        return summary["runs"][0]["epochs"][0]["train_loss"]
+    plain = first_loss()
+    assert first_loss(color_jitter=(0.0, 0.0)) == plain
+    assert first_loss(color_jitter=(0.5, 0.3)) != plain
