@@ -1403,7 +1403,9 @@ def config_from_log(path):
     return preset, options, log, predated
 
 
-CHECKS_ONLY = {"sync_check"}  # options that check a run and never change what it computes
+# Options a log may predate without its rerun changing: a check that never changes what a run computes, or one
+# whose default is what the code did before the option existed.
+SAME_WHEN_PREDATED = {"sync_check", "color_jitter"}
 
 
 def describe_rerun(log_path, logged, preset, options, overrides, predated):
@@ -1421,7 +1423,7 @@ def describe_rerun(log_path, logged, preset, options, overrides, predated):
     world = int(os.environ.get("WORLD_SIZE", 1))
     if logged.get("world_size", 1) != world:
         lines.append(f"the log ran {logged.get('world_size', 1)} processes, this {world}: the runs may differ")
-    predated = [k for k in predated if k not in CHECKS_ONLY]
+    predated = [k for k in predated if k not in SAME_WHEN_PREDATED]
     if predated:
         lines.append(f"the log predates {', '.join('--' + k.replace('_', '-') for k in predated)}: they take "
                      "their defaults, so the rerun may differ")

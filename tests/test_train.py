@@ -944,17 +944,20 @@ def test_from_log_names_what_a_log_predates_and_refuses_what_is_gone(tiny_npz, t
     log = json.loads(open(s["log_json"]).read())
     del log["config"]["tta_confidence"]  # a log from before the option: it takes COMMON's value (the old behaviour)
     del log["config"]["sync_check"]  # a check, not a change: not named (it cannot make a rerun differ)
+    del log["config"]["color_jitter"]  # its default is what ran before it existed: not named either
     log["world_size"] = 2
     old = tmp_path / "old.json"
     old.write_text(json.dumps(log))
     preset, options, _, predated = train_cifar.config_from_log(str(old))
-    assert preset == "fast94" and predated == ["sync_check", "tta_confidence"]
+    assert preset == "fast94" and predated == ["color_jitter", "sync_check", "tta_confidence"]
     common, fast94 = train_cifar.COMMON["tta_confidence"], train_cifar.PRESETS["fast94"]["tta_confidence"]
     assert options["tta_confidence"] == common != fast94
     capsys.readouterr()
     rerun = train_cifar.main(["--from-log", str(old), "--data", tiny_npz, "--log-dir", ""])
     out = capsys.readouterr().out
     assert "the log predates --tta-confidence: they take" in out and "the log ran 2 processes, this 1" in out
+    assert "--color-jitter" not in out and "--sync-check" not in out
+    assert rerun["reproduces"]["runs"][0]["first_difference"] is None  # trained as logged, without the jitter
     assert rerun["config"]["tta_confidence"] == train_cifar.COMMON["tta_confidence"]
     log["config"]["muon_fixed_norm"] = True  # an option since removed
     old.write_text(json.dumps(log))
