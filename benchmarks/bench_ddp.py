@@ -66,7 +66,8 @@ def main():
     if world > 1 and cfg["sync_bn_group_size"]:
         parallel.convert_sync_bn(model, parallel.bn_process_groups(world, cfg["sync_bn_group_size"]))
     step_fn = train_cifar.make_step_fn(cfg, model, world)
-    aug = tb.draw_augmentation(N_TRAIN, pad, cfg["cutout"], cfg["flip"] != "none", gen, device)
+    aug = tb.draw_augmentation(N_TRAIN, pad, cfg["cutout"], cfg["flip"] != "none", gen, device,
+                               jitter=cfg["color_jitter"])
     sync = tb.synchronizer(device)
 
     def step(i):

@@ -54,7 +54,8 @@ def measure(preset, device, steps, repeats, compile=False, overrides=None, break
         parallel.convert_bn(model, cfg["bn_group_size"])
     step_fn = train_cifar.make_step_fn(cfg, model, world=1)  # compiled with --compile
     flops_step, run_steps, flops_run = train_cifar.run_flops(cfg, model, opt, device, precision, N_TRAIN)
-    aug = tb.draw_augmentation(N_TRAIN, pad, cfg["cutout"], cfg["flip"] != "none", gen, device)
+    aug = tb.draw_augmentation(N_TRAIN, pad, cfg["cutout"], cfg["flip"] != "none", gen, device,
+                               jitter=cfg["color_jitter"])
     sync = tb.synchronizer(device)
     proxy = train_cifar.Proxy(cfg, None, None, device, precision) if train_cifar.uses_proxy(cfg) else None
     # select_by loss: each candidate's loss when last trained on (inf: never yet), as a run keeps it

@@ -201,3 +201,19 @@ def test_a_selecting_step_is_timed_as_its_run_selects(monkeypatch, select_by):
         assert all(before[j].item() >= cut for j in idx.tolist())  # (ties at the cut: any of them)
         assert all(torch.isfinite(after[idx])) and torch.equal(after[[j for j in range(300) if j not in idx]],
                                                                before[[j for j in range(300) if j not in idx]])
+
+
+@pytest.mark.parametrize("jitter", [(0.0, 0.0), (0.2, 0.1)])
+def test_the_benchmark_augments_as_the_run_would(monkeypatch, jitter):
+    """A benchmark of --set color_jitter=... times the jittered batches (the draws a run would make), and without
+    it none."""
+    seen = []
+    real_augment = bench_presets.tb.augment
+
+    def augment(x, index, aug, **kwargs):
+        seen.append(("shift" in aug) and bool(aug["shift"].abs().max() <= jitter[0]))
+        return real_augment(x, index, aug, **kwargs)
+    monkeypatch.setattr(bench_presets.tb, "augment", augment)
+    bench_presets.measure("fast94", torch.device("cpu"), steps=1, repeats=1,
+                          overrides=dict(widths=(8, 16, 16), batch_size=64, precision="fp32", color_jitter=jitter))
+    assert seen and all(s == any(jitter) for s in seen)
