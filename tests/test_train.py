@@ -160,6 +160,7 @@ def test_cuda_sync_debug_sets_the_mode_for_the_block_and_puts_it_back(monkeypatc
 
 @pytest.mark.parametrize("preset, options", [
     ("fast94", dict(widths=(8, 16, 16), train_sizes=(24, 32))),  # Muon, resizing
+    ("fast94", dict(widths=(8, 16, 16), color_jitter=(0.1, 0.1))),
     ("fast96", dict(widths=(8, 16, 16), proxy_widths=(4, 8, 8))),  # proxy selection, lookahead
 ])
 def test_the_training_steps_read_nothing_on_the_host(monkeypatch, preset, options):
