@@ -41,7 +41,7 @@ def load_log(path):
 def recipe(log):
     """What a log's runs trained: its hyper-parameters without NOT_RECIPE, with the preset, the resolved
     precision and the number of processes."""
-    keys = {k: v for k, v in log["config"].items() if k not in NOT_RECIPE}
+    keys = {k: v for k, v in core.with_predated_values(log["config"]).items() if k not in NOT_RECIPE}
     keys.update(preset=log.get("preset"), resolved_precision=log.get("precision"), world_size=log.get("world_size", 1))
     return keys
 

@@ -362,6 +362,17 @@ class LogError(ValueError):
     """A log that cannot be read as what it should be."""
 
 
+# For a log written before an option existed, the value its runs had in effect: listed only where that is certain
+# (an option added switched off, or a check that changes nothing), so that such a log compares (compare_runs,
+# plot_runs) and reruns (--from-log) as having run with it, not as alike to every setting of it.
+PREDATED_VALUES = {"color_jitter": [0.0, 0.0], "sync_check": False}
+
+
+def with_predated_values(config):
+    """A log's config with PREDATED_VALUES for the options it predates."""
+    return dict(PREDATED_VALUES, **config)
+
+
 def read_run_log(path):
     """The JSON summary train_cifar.py writes (preset, config, runs, ...), or a LogError saying what is wrong."""
     try:

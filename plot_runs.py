@@ -103,7 +103,7 @@ def config_differences(summaries):
     aside; keys an older log lacks are not compared), as "key=value" strings: what tells their curves apart.
     Another preset's logs are not compared: their preset tells them apart, and its every setting would crowd
     the legend."""
-    configs = [s.get("config", {}) for s in summaries]
+    configs = [core.with_predated_values(s.get("config") or {}) for s in summaries]
     tags = [""] * len(summaries)
     for preset in {s["preset"] for s in summaries}:
         mine = [i for i, s in enumerate(summaries) if s["preset"] == preset]

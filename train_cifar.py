@@ -1388,6 +1388,7 @@ def config_from_log(path):
     preset = logged.pop("preset", log["preset"])
     if preset not in PRESETS or not logged:
         raise ValueError(f"{path}: cannot rerun a log of preset {preset!r} without its config")
+    logged = core.with_predated_values(logged)  # (what it ran with, known: no guess to warn of)
     options = set(COMMON) | set(PRESETS[preset])
     gone = sorted(set(logged) - options)
     if gone:
@@ -1401,11 +1402,6 @@ def config_from_log(path):
     options = {k: tuple(v) if isinstance(v, list) else v for k, v in logged.items()}
     make_config(preset, **options)  # a value of the wrong kind: its error now, not a traceback later
     return preset, options, log, predated
-
-
-# Options a log may predate without its rerun changing: a check that never changes what a run computes, or one
-# whose default is what the code did before the option existed.
-SAME_WHEN_PREDATED = {"sync_check", "color_jitter"}
 
 
 def describe_rerun(log_path, logged, preset, options, overrides, predated):
@@ -1423,7 +1419,6 @@ def describe_rerun(log_path, logged, preset, options, overrides, predated):
     world = int(os.environ.get("WORLD_SIZE", 1))
     if logged.get("world_size", 1) != world:
         lines.append(f"the log ran {logged.get('world_size', 1)} processes, this {world}: the runs may differ")
-    predated = [k for k in predated if k not in SAME_WHEN_PREDATED]
     if predated:
         lines.append(f"the log predates {', '.join('--' + k.replace('_', '-') for k in predated)}: they take "
                      "their defaults, so the rerun may differ")

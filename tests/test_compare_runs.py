@@ -277,3 +277,18 @@ def test_impossible_values_in_a_log_exit_2_naming_the_file_and_field(real_log, t
     log["runs"][1]["seed"] = 1
     open(path, "w").write(json.dumps(log))
     assert compare_runs.main([path]) == 0 and "n=1 (seeds 0)" in capsys.readouterr().out
+
+
+def test_a_log_from_before_an_option_is_not_pooled_with_runs_that_used_it(real_log, tmp_path):
+    """A log that predates --color-jitter ran without it (core.PREDATED_VALUES): it pools with runs logged with
+    0 0, not with jittered ones (keys a log lacks were skipped, so those pooled as one recipe, silently)."""
+    older = copy.deepcopy(real_log)
+    del older["config"]["color_jitter"]
+    old = write_log(tmp_path, older, "old", [(0, 0.9401), (1, 0.9388)])
+    plain = write_log(tmp_path, real_log, "plain", [(2, 0.9412)], seed=2, color_jitter=[0.0, 0.0])
+    jittered = write_log(tmp_path, real_log, "jittered", [(3, 0.9399)], seed=3, color_jitter=[0.14, 0.13])
+    assert compare_runs.summary(compare_runs.series([old, plain]))["n"] == 3
+    with pytest.raises(compare_runs.LogError, match=r"trained different recipes: color_jitter is \[0\.0, 0\.0\] in "):
+        compare_runs.series([old, jittered])
+    assert compare_runs.recipe_differences([core.read_run_log(old), core.read_run_log(jittered)]) == {
+        "color_jitter": [[0.0, 0.0], [0.14, 0.13]]}

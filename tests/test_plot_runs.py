@@ -443,3 +443,16 @@ def test_each_panel_draws_its_own_series(logged, tmp_path, monkeypatch):
         assert list(acc.get_ydata()) == pytest.approx([100 * r["test_acc"] for r in evaluated])
         assert list(loss.get_xdata()) == [r["epoch"] for r in rows]
         assert list(loss.get_ydata()) == pytest.approx([r["train_loss"] for r in rows])
+
+
+def test_legends_tell_a_log_from_before_an_option_from_runs_that_used_it(logged):
+    """The legend names --color-jitter for an older log (which ran without it) beside a jittered one: the key an
+    older log lacks was skipped, so both were labelled alike."""
+    summary = core.read_run_log(logged[0])
+    older = json.loads(json.dumps(summary))
+    del older["config"]["color_jitter"]
+    jittered = json.loads(json.dumps(summary))
+    jittered["config"]["color_jitter"] = [0.14, 0.13]
+    assert plot_runs.config_differences([older, jittered]) == ["color_jitter=[0, 0]", "color_jitter=[0.14, 0.13]"]
+    assert [p["tag"] for p in plot_runs.recipe_points([older, jittered])] == [
+        "color_jitter=[0, 0]", "color_jitter=[0.14, 0.13]"]

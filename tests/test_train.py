@@ -950,7 +950,8 @@ def test_from_log_names_what_a_log_predates_and_refuses_what_is_gone(tiny_npz, t
     old = tmp_path / "old.json"
     old.write_text(json.dumps(log))
     preset, options, _, predated = train_cifar.config_from_log(str(old))
-    assert preset == "fast94" and predated == ["color_jitter", "sync_check", "tta_confidence"]
+    assert preset == "fast94" and predated == ["tta_confidence"]  # (the other two: core.PREDATED_VALUES)
+    assert options["color_jitter"] == (0.0, 0.0) and options["sync_check"] is False
     common, fast94 = train_cifar.COMMON["tta_confidence"], train_cifar.PRESETS["fast94"]["tta_confidence"]
     assert options["tta_confidence"] == common != fast94
     capsys.readouterr()
