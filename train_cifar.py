@@ -166,6 +166,9 @@ PRESETS = {
     # Blocks 64/192/256 (0.202 PF): 93.76, 93.98% on seeds 0-1 (logs/fast94-20261202-135729-5796, -5797), -0.27
     # per seed: worse than data selection at the same FLOPs.
     # 16, 16, 24 x3, 32 x5 px (0.248 PF): 93.96 ± 0.10% (n=5; logs/fast94-20261202-145015-6952, -6953, -153701-8316).
+    # The 0.248 PF form with colour jitter 0.14/0.13 (the 2025 A100 record's): 93.96 ± 0.15% (n=5,
+    # logs/fast94-20261205-163825-7315), and with label smoothing 0.1 too 93.98 ± 0.08% (-163828-7358), against
+    # 93.98 ± 0.18% on those seeds without it: no gain, not adopted.
     # Older forms, AMX CPU: 5 of 8 epochs at 24 px (0.200 PF): 93.71% (seed 0, logs/fast94-20261202-011459-15461).
     # 8 epochs at 32 px (0.284 PF): 93.98 ± 0.10% with the small-map convs as matmuls
     # (logs/fast94-20261201-213319-5651), and 94.06 ± 0.08% with oneDNN's (logs/fast94-20261201-171326-25186).
