@@ -168,7 +168,8 @@ PRESETS = {
     # 16, 16, 24 x3, 32 x5 px (0.248 PF): 93.96 ± 0.10% (n=5; logs/fast94-20261202-145015-6952, -6953, -153701-8316).
     # The 0.248 PF form with colour jitter 0.14/0.13 (the 2025 A100 record's): 93.96 ± 0.15% (n=5,
     # logs/fast94-20261205-163825-7315), and with label smoothing 0.1 too 93.98 ± 0.08% (-163828-7358), against
-    # 93.98 ± 0.18% on those seeds without it: no gain, not adopted.
+    # 93.98 ± 0.18% on those seeds without it: no gain, not adopted; label smoothing 0.1 alone: 94.00 ± 0.10%
+    # (logs/fast94-20261205-180332-8576).
     # Older forms, AMX CPU: 5 of 8 epochs at 24 px (0.200 PF): 93.71% (seed 0, logs/fast94-20261202-011459-15461).
     # 8 epochs at 32 px (0.284 PF): 93.98 ± 0.10% with the small-map convs as matmuls
     # (logs/fast94-20261201-213319-5651), and 94.06 ± 0.08% with oneDNN's (logs/fast94-20261201-171326-25186).
@@ -1544,8 +1545,7 @@ OPTION_HELP = dict(
     flip="horizontal flips: random, alternate (each image flipped on alternate epochs) or none",
     pad="random translation: crops from images reflect-padded by this many pixels",
     cutout="side of a square zeroed at a random place in each training image (0: none)",
-    color_jitter="brightness and contrast jitter of each training image: x -> (x + b) * c, b up to +-brightness,\n"
-                 "c within 1 +- contrast, on the normalised pixels (0 0: none)",
+    color_jitter="brightness B, contrast C: each training image x -> (x + b) * c, |b| <= B, |c - 1| <= C (0 0: none)",
     train_sizes="progressive resizing: the training images' side in each epoch, the last repeating (not set: 32)",
     tta="test-time augmentation: 0 none, 1 with the mirror, 2 both also shifted by a pixel (6 views)",
     tta_confidence="run the extra TTA views only on images predicted below this probability (0: on every one)",
