@@ -1604,11 +1604,9 @@ def run_options(args):
     """(preset, overrides, rerun) of parsed command-line options: the run's preset and every option given (with
     --from-log, the log's config under them; --data among them); rerun is None, or --from-log's (log, the
     log's options, the options it predates)."""
-    overrides = {k: v for k, v in vars(args).items()
+    overrides = {k: tuple(v) if isinstance(v, list) else v  # (argparse's nargs="+" lists: the configs' tuples)
+                 for k, v in vars(args).items()
                  if k not in ("preset", "log_dir", "device", "checkpoint", "from_log") and v is not None}
-    for k in ("lr_knots", "lr_values", "widths", "train_sizes", "color_jitter"):
-        if k in overrides:
-            overrides[k] = tuple(overrides[k])
     rerun = None
     if args.from_log:
         if args.preset:
