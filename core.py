@@ -362,10 +362,36 @@ class LogError(ValueError):
     """A log that cannot be read as what it should be."""
 
 
-# For a log written before an option existed, the value its runs had in effect: listed only where that is certain
-# (an option added switched off, or a check that changes nothing), so that such a log compares (compare_runs,
-# plot_runs) and reruns (--from-log) as having run with it, not as alike to every setting of it.
-PREDATED_VALUES = {"color_jitter": [0.0, 0.0], "sync_check": False}
+# For a log written before an option existed, the value its runs had in effect, where that is certain, so that such
+# a log compares (compare_runs, plot_runs) and reruns (--from-log) as having run with it, not as alike to every
+# setting of it. Each was checked against the commit that added the option: it came switched off, or as a name
+# for what the code did until then (in JSON's form: lists, not tuples).
+PREDATED_VALUES = {
+    # added switched off (or a check that changes nothing)
+    "color_jitter": [0.0, 0.0], "sync_check": False, "tta_confidence": 0.0, "train_sizes": [], "select_fraction": 1.0,
+    "ema_every": 0, "echo": "none", "echo_factor": 1.0, "echo_shuffle_buffer": 0, "holdout": 0, "stop_at_target": False,
+    "stop_after_epochs": 0, "eval_every_steps": 0, "warmup_epochs": 0.0, "lr_scaling": "none", "allreduce": "flat",
+    "bn_group_size": 0, "sync_bn_group_size": 0, "allreduce_group_size": 0,
+    # what ran before the option named it: SGD, the device pipeline, the proxy that scored candidates, two convs a
+    # block, FastNet's fixed BN momentum, the whitening bias among the fast biases, lookahead synced every epoch,
+    # 5 Newton-Schulz steps, F.conv2d (oneDNN's kernels) on CPUs, GradScaler in fp16, torch.compile's default mode
+    "optimizer": "sgd", "pipeline": "device", "select_by": "proxy", "block_depth": 2, "bn_momentum": 0.4,
+    "whiten_bias_fast": True, "lookahead_sync": "epoch", "muon_ns_steps": 5, "cpu_conv": "onednn",
+    "loss_scale": "dynamic", "compile_mode": "default",
+}
+# Options some committed logs predate whose value then was no one constant; such a log compares as alike to every
+# setting of them (tests/test_compare_runs.py checks that each option a log in logs/ lacks is in one of the two).
+PREDATED_UNKNOWN = {
+    "muon_lr_scale": "added with Muon: the logs before it trained with SGD",
+    "muon_momentum": "added with Muon: the logs before it trained with SGD",
+    "muon_norm": "unused before Muon; after it, set by muon_fixed_norm (since removed)",
+    "ema_decay": "came with ema_every, off: unused before",
+    "trust_coefficient": "LARS's alone: unused before LARS",
+    "reference_batch_size": "the preset's batch size, used only by lr_scaling (none before)",
+    "proxy_widths": "unused before data selection",
+    "loader_workers": "unused before the loader pipeline",
+    "proxy_every": "unused before data selection; replaced proxy_epochs (a proxy trained first)",
+}
 
 
 def with_predated_values(config):

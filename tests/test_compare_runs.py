@@ -279,16 +279,45 @@ def test_impossible_values_in_a_log_exit_2_naming_the_file_and_field(real_log, t
     assert compare_runs.main([path]) == 0 and "n=1 (seeds 0)" in capsys.readouterr().out
 
 
-def test_a_log_from_before_an_option_is_not_pooled_with_runs_that_used_it(real_log, tmp_path):
-    """A log that predates --color-jitter ran without it (core.PREDATED_VALUES): it pools with runs logged with
-    0 0, not with jittered ones (keys a log lacks were skipped, so those pooled as one recipe, silently)."""
+@pytest.mark.parametrize("key, before, other", [
+    ("color_jitter", [0.0, 0.0], [0.14, 0.13]),
+    ("tta_confidence", 0.0, 0.7),  # fast94's logs before selective TTA pooled with its later ones, silently
+    ("train_sizes", [], [20, 24, 24, 24, 24, 32]),
+    ("lookahead_sync", "epoch", "end")])
+def test_a_log_from_before_an_option_is_not_pooled_with_runs_that_used_it(real_log, tmp_path, key, before, other):
+    """A log that predates an option ran with the value core.PREDATED_VALUES gives it: it pools with runs
+    logged with that value, not with others (keys a log lacks were skipped, so those pooled as one recipe)."""
     older = copy.deepcopy(real_log)
-    del older["config"]["color_jitter"]
+    del older["config"][key]
     old = write_log(tmp_path, older, "old", [(0, 0.9401), (1, 0.9388)])
-    plain = write_log(tmp_path, real_log, "plain", [(2, 0.9412)], seed=2, color_jitter=[0.0, 0.0])
-    jittered = write_log(tmp_path, real_log, "jittered", [(3, 0.9399)], seed=3, color_jitter=[0.14, 0.13])
-    assert compare_runs.summary(compare_runs.series([old, plain]))["n"] == 3
-    with pytest.raises(compare_runs.LogError, match=r"trained different recipes: color_jitter is \[0\.0, 0\.0\] in "):
-        compare_runs.series([old, jittered])
-    assert compare_runs.recipe_differences([core.read_run_log(old), core.read_run_log(jittered)]) == {
-        "color_jitter": [[0.0, 0.0], [0.14, 0.13]]}
+    same = write_log(tmp_path, real_log, "same", [(2, 0.9412)], seed=2, **{key: before})
+    changed = write_log(tmp_path, real_log, "changed", [(3, 0.9399)], seed=3, **{key: other})
+    assert compare_runs.summary(compare_runs.series([old, same]))["n"] == 3
+    with pytest.raises(compare_runs.LogError, match=f"trained different recipes: {key} is "):
+        compare_runs.series([old, changed])
+    assert compare_runs.recipe_differences([core.read_run_log(old), core.read_run_log(changed)]) == {
+        key: [before, other]}
+
+
+def test_every_option_a_committed_log_lacks_has_its_predated_value_or_says_why_not():
+    """A new option makes every log before it lack a key: it must say what those runs ran with (or why no one
+    value), else compare_runs would pool them with runs of every setting of it."""
+    options = set(train_cifar.COMMON)
+    for preset in train_cifar.PRESETS.values():
+        options |= set(preset)
+    assert not set(core.PREDATED_VALUES) & set(core.PREDATED_UNKNOWN)
+    assert set(core.PREDATED_VALUES) | set(core.PREDATED_UNKNOWN) <= options  # (none stale)
+    logs = [core.read_run_log(p) for p in sorted(glob.glob(os.path.join(REPO, "logs", "*.json")))
+            if json.load(open(p)).get("config")]
+    assert len(logs) > 50
+    lacking = {k for log in logs for k in options - set(log["config"])}
+    assert lacking <= set(core.PREDATED_VALUES) | set(core.PREDATED_UNKNOWN), sorted(
+        lacking - set(core.PREDATED_VALUES) - set(core.PREDATED_UNKNOWN))
+
+
+@pytest.mark.parametrize("preset", list(train_cifar.PRESETS))
+def test_the_predated_values_are_valid_options(preset):
+    """Each is a value today's code takes (a rerun of an old log passes them to make_config)."""
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in core.PREDATED_VALUES.items()}
+    cfg = train_cifar.make_config(preset, **values)
+    assert {k: cfg[k] for k in values} == values

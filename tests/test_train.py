@@ -943,24 +943,26 @@ def test_from_log_names_what_a_log_predates_and_refuses_what_is_gone(tiny_npz, t
     s = train_cifar.main(["--data", tiny_npz, "--log-dir", str(tmp_path), "--widths", "8", "16", "16",
                           "--batch-size", "50", "--epochs", "1", "--precision", "fp32"])
     log = json.loads(open(s["log_json"]).read())
-    del log["config"]["tta_confidence"]  # a log from before the option: it takes COMMON's value (the old behaviour)
+    # a log from before the option, whose value then was no one constant: COMMON's, named as a possible difference
+    del log["config"]["ema_decay"]
     del log["config"]["sync_check"]  # a check, not a change: not named (it cannot make a rerun differ)
-    del log["config"]["color_jitter"]  # its default is what ran before it existed: not named either
+    del log["config"]["color_jitter"]  # added switched off: it ran without (core.PREDATED_VALUES), not named either
+    del log["config"]["tta_confidence"]  # the same: every image had the extra views, not the preset's unsure ones
     log["world_size"] = 2
     old = tmp_path / "old.json"
     old.write_text(json.dumps(log))
     preset, options, _, predated = train_cifar.config_from_log(str(old))
-    assert preset == "fast94" and predated == ["tta_confidence"]  # (the other two: core.PREDATED_VALUES)
+    assert preset == "fast94" and predated == ["ema_decay"]  # (the other three: core.PREDATED_VALUES)
     assert options["color_jitter"] == (0.0, 0.0) and options["sync_check"] is False
-    common, fast94 = train_cifar.COMMON["tta_confidence"], train_cifar.PRESETS["fast94"]["tta_confidence"]
-    assert options["tta_confidence"] == common != fast94
+    assert options["ema_decay"] == train_cifar.COMMON["ema_decay"]
+    assert options["tta_confidence"] == 0.0 != train_cifar.PRESETS["fast94"]["tta_confidence"]
     capsys.readouterr()
     rerun = train_cifar.main(["--from-log", str(old), "--data", tiny_npz, "--log-dir", ""])
     out = capsys.readouterr().out
-    assert "the log predates --tta-confidence: they take" in out and "the log ran 2 processes, this 1" in out
-    assert "--color-jitter" not in out and "--sync-check" not in out
+    assert "the log predates --ema-decay: they take" in out and "the log ran 2 processes, this 1" in out
+    assert "--color-jitter" not in out and "--sync-check" not in out and "--tta-confidence" not in out
     assert rerun["reproduces"]["runs"][0]["first_difference"] is None  # trained as logged, without the jitter
-    assert rerun["config"]["tta_confidence"] == train_cifar.COMMON["tta_confidence"]
+    assert rerun["config"]["tta_confidence"] == 0.0
     log["config"]["muon_fixed_norm"] = True  # an option since removed
     old.write_text(json.dumps(log))
     r = cli("--from-log", str(old), "--data", tiny_npz, "--log-dir", "")
