@@ -11,7 +11,9 @@ over repeats, after a plain pass over the test set that also gives each image's 
 
 --view-sets also compares sets of views beyond the 6 (more one-pixel shifts, two-pixel shifts, other weights; see
 VIEW_SETS), on every test image. Each distinct view's logits are computed once per net and each set's average is
-formed from them, so a set's seconds are the sum of its views' forward passes. Writes logs/eval_tta-*.json."""
+formed from them, so a set's seconds are the sum of its views' forward passes. --precision fp32 evaluates nets
+trained in bf16 in fp32 instead (test images too), to see what the lower precision costs at test time alone.
+Writes logs/eval_tta-*.json."""
 import argparse
 import os
 import sys
@@ -117,6 +119,9 @@ def main():
                    help="--tta-confidence values to measure (extra views only below this probability)")
     p.add_argument("--repeats", type=int, default=3, help="timed evaluations per mode (mean ± std)")
     p.add_argument("--view-sets", action="store_true", help="also compare the sets of views in VIEW_SETS")
+    p.add_argument("--precision", choices=list(tb.DTYPES), default=None,
+                   help="evaluate in this precision instead of each run's own (its logged accuracy is still "
+                        "checked in its own first)")
     tb.add_device_option(p)
     p.add_argument("--log-dir", default="logs", type=core.folder_option, help="where the JSON result goes")
     a = p.parse_args()
@@ -155,11 +160,14 @@ def main():
     table = core.Table(["seed", "mode", "accuracy", "tta_share", "seconds", "±"], width=12)
     results = []
     info = dict(hardware=tb.device_name(device), torch=torch.__version__, commit=core.git_commit(),
-                date=core.utc_timestamp(), repeats=a.repeats, results=results)
+                date=core.utc_timestamp(), repeats=a.repeats, precision=a.precision, results=results)
     log_path = core.stamped_log_path(a.log_dir, "eval_tta", info["date"]) if a.log_dir else None
     if log_path:
         print(f"log: {log_path} (written after every net)")
-    for path, cfg, precision, model, seed in nets:
+    for path, cfg, trained_in, model, seed in nets:
+        precision = a.precision or trained_in
+        if precision != trained_in:
+            print(f"{path}: trained in {trained_in}, evaluated in {precision}", flush=True)
         data = data_for(precision, cfg["pad"])
         plain = tb.predict(model, data["test_x"], precision, device)
         top = plain.softmax(1).amax(1)
@@ -175,7 +183,7 @@ def main():
                 seconds.append(time.perf_counter() - t)
             share = (top < confidence).float().mean().item() if confidence else float(level > 0)
             row = dict(checkpoint=os.path.basename(path), seed=seed, mode=name, tta=level, tta_confidence=confidence,
-                       accuracy=accuracy, tta_share=share, seconds=core.mean_std(seconds))
+                       precision=precision, accuracy=accuracy, tta_share=share, seconds=core.mean_std(seconds))
             table.row(dict(row, seconds=row["seconds"][0], **{"±": row["seconds"][1] if a.repeats > 1 else "-"}))
             results.append(row)
         if a.view_sets:
@@ -187,7 +195,7 @@ def main():
                          f"predict {reference:.4f}")
             for name, (accuracy, seconds) in sets.items():
                 shifts, centre_weight = VIEW_SETS[name]
-                row = dict(checkpoint=os.path.basename(path), seed=seed, mode=name, view_set=True,
+                row = dict(checkpoint=os.path.basename(path), seed=seed, mode=name, view_set=True, precision=precision,
                            views=len(tb.view_weights(shifts, centre_weight)), shifts=shifts,
                            centre_weight=centre_weight, accuracy=accuracy, tta_share=1.0, seconds=(seconds, 0.0))
                 table.row(dict(row, seconds=seconds, **{"±": "-"}))  # (timed once)

@@ -179,3 +179,32 @@ def test_eval_tta_checks_every_checkpoint_before_timing_any(tmp_path):
                        capture_output=True, text=True, timeout=600)
     results = json.load(open(next(logs.iterdir())))["results"]
     assert r.returncode == 0 and [row["mode"] for row in results] == [m[0] for m in eval_tta.modes([0.5])]
+
+
+def test_eval_tta_precision_checks_the_net_in_its_own_then_evaluates_in_the_one_asked(tmp_path, monkeypatch):
+    """--precision fp32 on a net trained in bf16: its logged accuracy is checked in bf16 on bf16 test images (as
+    its run evaluated), and every mode then runs in fp32 on fp32 images, each row saying so."""
+    data = synthetic(200, 100)
+    npz, ckpt = tmp_path / "tiny.npz", tmp_path / "run.pt"
+    np.savez(npz, **data)
+    train_cifar.train("fast94", data=data, checkpoint=str(ckpt), **dict(TINY, precision="bf16"))
+    calls = []
+    evaluate = train_cifar.evaluate
+
+    def spy(model, data, precision, *args, **kwargs):
+        calls.append((precision, data["test_x"].dtype))
+        return evaluate(model, data, precision, *args, **kwargs)
+    monkeypatch.setattr(train_cifar, "evaluate", spy)
+    logs = tmp_path / "logs"
+    monkeypatch.setattr(sys, "argv", ["eval_tta.py", str(ckpt), "--data", str(npz), "--confidences", "0.5",
+                                      "--repeats", "1", "--precision", "fp32", "--log-dir", str(logs)])
+    eval_tta.main()
+    assert calls[0] == ("bf16", torch.bfloat16)  # the check, as the run evaluated
+    assert calls[1:] and set(calls[1:]) == {("fp32", torch.float32)}
+    result = json.load(open(next(logs.iterdir())))
+    assert result["precision"] == "fp32" and {row["precision"] for row in result["results"]} == {"fp32"}
+    cfg, _, model, *_ = eval_tta.load_trained(str(ckpt), CPU)
+    on_device = tb.to_device(data, CPU, torch.float32, pad=cfg["pad"])
+    plain = tb.predict(model, on_device["test_x"], "fp32", CPU)
+    rows = {row["mode"]: row for row in result["results"]}
+    assert rows["plain"]["accuracy"] == pytest.approx((plain.argmax(1) == on_device["test_y"]).float().mean().item())
