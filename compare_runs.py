@@ -47,8 +47,8 @@ def recipe(log):
 
 
 def recipe_differences(logs):
-    """{key: [each log's value]} for the recipe keys that differ between logs; keys a log lacks (logs written
-    before the option existed) are not compared."""
+    """{key: [each log's value]} for the recipe keys that differ between logs; a key a log lacks (written before
+    the option existed) counts as core.PREDATED_VALUES says, or is not compared where no value describes it."""
     recipes = [recipe(log) for log in logs]
     return {k: [r[k] for r in recipes] for k in core.differing_keys(recipes)}
 

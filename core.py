@@ -2,6 +2,7 @@
 import argparse
 import ast
 import contextlib
+import copy
 import datetime
 import errno
 import functools
@@ -379,12 +380,14 @@ PREDATED_VALUES = {
     "whiten_bias_fast": True, "lookahead_sync": "epoch", "muon_ns_steps": 5, "cpu_conv": "onednn",
     "loss_scale": "dynamic", "compile_mode": "default",
 }
-# Options some committed logs predate whose value then was no one constant; such a log compares as alike to every
-# setting of them (tests/test_compare_runs.py checks that each option a log in logs/ lacks is in one of the two).
-PREDATED_UNKNOWN = {
+# Options some committed logs predate that came with something those runs did not use (or replaced an option such
+# a log names, which --from-log refuses): no value describes them. Such a log compares as alike to every setting of
+# them, and --from-log gives them today's defaults without a warning (tests/test_compare_runs.py checks that each
+# option a log in logs/ lacks is in one of the two tables).
+PREDATED_UNUSED = {
     "muon_lr_scale": "added with Muon: the logs before it trained with SGD",
     "muon_momentum": "added with Muon: the logs before it trained with SGD",
-    "muon_norm": "unused before Muon; after it, set by muon_fixed_norm (since removed)",
+    "muon_norm": "unused before Muon; then set by muon_fixed_norm (since removed: such logs are refused)",
     "ema_decay": "came with ema_every, off: unused before",
     "trust_coefficient": "LARS's alone: unused before LARS",
     "reference_batch_size": "the preset's batch size, used only by lr_scaling (none before)",
@@ -395,8 +398,8 @@ PREDATED_UNKNOWN = {
 
 
 def with_predated_values(config):
-    """A log's config with PREDATED_VALUES for the options it predates."""
-    return dict(PREDATED_VALUES, **config)
+    """A log's config with PREDATED_VALUES for the options it predates (copies: a caller may change them)."""
+    return dict(copy.deepcopy(PREDATED_VALUES), **config)
 
 
 def read_run_log(path):

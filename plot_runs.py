@@ -100,10 +100,14 @@ RUN_KEYS = ("seed", "runs")  # differ between invocations of one configuration
 
 def config_differences(summaries):
     """Per summary, its settings of the config keys on which the summaries of its preset differ (seed and runs
-    aside; keys an older log lacks are not compared), as "key=value" strings: what tells their curves apart.
+    aside; a key an older log lacks counts as core.PREDATED_VALUES says, or is not compared; the loss scale only
+    between runs in fp16, the one precision it acts in), as "key=value" strings: what tells their curves apart.
     Another preset's logs are not compared: their preset tells them apart, and its every setting would crowd
     the legend."""
     configs = [core.with_predated_values(s.get("config") or {}) for s in summaries]
+    for s, config in zip(summaries, configs):
+        if s.get("precision") != "fp16":  # (GradScaler in logs before --loss-scale, "batch" after: no difference)
+            config.pop("loss_scale", None)
     tags = [""] * len(summaries)
     for preset in {s["preset"] for s in summaries}:
         mine = [i for i, s in enumerate(summaries) if s["preset"] == preset]

@@ -1375,9 +1375,10 @@ def print_summary(s, log=print):
 
 def config_from_log(path):
     """(preset, options, log, predated): the options that rerun the runs a train_cifar.py log records, its
-    seeds included. A log older than some of today's options gets COMMON's defaults for them (the behaviour
-    they were added with) and names them in predated; one with an option today's code lacks cannot be rerun
-    here (ValueError naming its commit)."""
+    seeds included. A log older than some of today's options gets what its runs ran with where that is certain
+    (core.PREDATED_VALUES), else COMMON's defaults, and names in predated those that could make the rerun differ
+    (not core.PREDATED_UNUSED's); one with an option today's code lacks cannot be rerun here (ValueError naming its
+    commit)."""
     log = core.read_run_log(path)  # (its runs checked there: each a seed, and epoch rows)
     if not isinstance(log.get("config") or {}, dict):  # (else a traceback after the rerun trained)
         raise ValueError(f"{path}: not a train_cifar.py log (its config is no object)")
@@ -1398,14 +1399,14 @@ def config_from_log(path):
     if gone:
         raise ValueError(f"{path} sets {', '.join(gone)}, which this code no longer has; to rerun it, check out "
                          f"its commit {str(log.get('commit'))[:12]}")
-    predated = sorted(options - set(logged))
-    logged.update({k: COMMON[k] for k in predated if k in COMMON})
-    missing = [k for k in predated if k not in COMMON]
+    absent = options - set(logged)
+    logged.update({k: COMMON[k] for k in absent if k in COMMON})
+    missing = sorted(k for k in absent if k not in COMMON)
     if missing:
         raise ValueError(f"{path} lacks {', '.join(missing)}: not a complete config")
     options = {k: tuple(v) if isinstance(v, list) else v for k, v in logged.items()}
     make_config(preset, **options)  # a value of the wrong kind: its error now, not a traceback later
-    return preset, options, log, predated
+    return preset, options, log, sorted(absent - set(core.PREDATED_UNUSED))
 
 
 def describe_rerun(log_path, logged, preset, options, overrides, predated):

@@ -131,6 +131,11 @@ def main():
     if missing:
         p.error(f"no such checkpoint: {', '.join(missing)}")
     device = a.device or tb.default_device()
+    if a.precision:
+        try:
+            tb.resolve_precision(a.precision, device)
+        except ValueError as e:  # (fp16 on a CPU)
+            p.error(str(e))
     sync = tb.synchronizer(device)
     try:
         raw = tb.validate(dict(tb.load_cifar10(a.data or train_cifar.default_data_path())), "data")

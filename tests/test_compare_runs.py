@@ -301,18 +301,18 @@ def test_a_log_from_before_an_option_is_not_pooled_with_runs_that_used_it(real_l
 
 def test_every_option_a_committed_log_lacks_has_its_predated_value_or_says_why_not():
     """A new option makes every log before it lack a key: it must say what those runs ran with (or why no one
-    value), else compare_runs would pool them with runs of every setting of it."""
+    value describes them), else compare_runs would pool them with runs of every setting of it."""
     options = set(train_cifar.COMMON)
     for preset in train_cifar.PRESETS.values():
         options |= set(preset)
-    assert not set(core.PREDATED_VALUES) & set(core.PREDATED_UNKNOWN)
-    assert set(core.PREDATED_VALUES) | set(core.PREDATED_UNKNOWN) <= options  # (none stale)
+    assert not set(core.PREDATED_VALUES) & set(core.PREDATED_UNUSED)
+    assert set(core.PREDATED_VALUES) | set(core.PREDATED_UNUSED) <= options  # (none stale)
     logs = [core.read_run_log(p) for p in sorted(glob.glob(os.path.join(REPO, "logs", "*.json")))
             if json.load(open(p)).get("config")]
     assert len(logs) > 50
     lacking = {k for log in logs for k in options - set(log["config"])}
-    assert lacking <= set(core.PREDATED_VALUES) | set(core.PREDATED_UNKNOWN), sorted(
-        lacking - set(core.PREDATED_VALUES) - set(core.PREDATED_UNKNOWN))
+    assert lacking <= set(core.PREDATED_VALUES) | set(core.PREDATED_UNUSED), sorted(
+        lacking - set(core.PREDATED_VALUES) - set(core.PREDATED_UNUSED))
 
 
 @pytest.mark.parametrize("preset", list(train_cifar.PRESETS))

@@ -208,3 +208,8 @@ def test_eval_tta_precision_checks_the_net_in_its_own_then_evaluates_in_the_one_
     plain = tb.predict(model, on_device["test_x"], "fp32", CPU)
     rows = {row["mode"]: row for row in result["results"]}
     assert rows["plain"]["accuracy"] == pytest.approx((plain.argmax(1) == on_device["test_y"]).float().mean().item())
+    monkeypatch.setattr(sys, "argv", ["eval_tta.py", str(ckpt), "--data", str(npz), "--precision", "fp16",
+                                      "--device", "cpu"])
+    with pytest.raises(SystemExit) as e:  # as train_cifar.py refuses it
+        eval_tta.main()
+    assert e.value.code == 2

@@ -456,3 +456,20 @@ def test_legends_tell_a_log_from_before_an_option_from_runs_that_used_it(logged)
     assert plot_runs.config_differences([older, jittered]) == ["color_jitter=[0, 0]", "color_jitter=[0.14, 0.13]"]
     assert [p["tag"] for p in plot_runs.recipe_points([older, jittered])] == [
         "color_jitter=[0, 0]", "color_jitter=[0.14, 0.13]"]
+
+
+def test_legends_name_the_loss_scale_only_between_fp16_runs(logged):
+    """A log from before --loss-scale ran GradScaler in fp16 (core.PREDATED_VALUES: dynamic), and nothing in bf16
+    or fp32, where the "batch" of later logs does nothing either: no difference to label there."""
+    summary = core.read_run_log(logged[0])
+    older = json.loads(json.dumps(summary))
+    del older["config"]["loss_scale"]
+    newer = json.loads(json.dumps(summary))
+    newer["config"]["loss_scale"] = "batch"
+    for precision in ("fp32", "bf16"):
+        for s in (older, newer):
+            s["precision"] = precision
+        assert plot_runs.config_differences([older, newer]) == ["", ""]
+    for s in (older, newer):
+        s["precision"] = "fp16"
+    assert plot_runs.config_differences([older, newer]) == ['loss_scale="dynamic"', 'loss_scale="batch"']

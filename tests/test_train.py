@@ -943,7 +943,9 @@ def test_from_log_names_what_a_log_predates_and_refuses_what_is_gone(tiny_npz, t
     s = train_cifar.main(["--data", tiny_npz, "--log-dir", str(tmp_path), "--widths", "8", "16", "16",
                           "--batch-size", "50", "--epochs", "1", "--precision", "fp32"])
     log = json.loads(open(s["log_json"]).read())
-    # a log from before the option, whose value then was no one constant: COMMON's, named as a possible difference
+    # a log without an option neither table knows (as if written by code that lacked it): COMMON's, named as a
+    # possible difference; one that came with what the run did not use (ema_decay, with EMA off): COMMON's, unnamed
+    del log["config"]["eval_every"]
     del log["config"]["ema_decay"]
     del log["config"]["sync_check"]  # a check, not a change: not named (it cannot make a rerun differ)
     del log["config"]["color_jitter"]  # added switched off: it ran without (core.PREDATED_VALUES), not named either
@@ -952,15 +954,16 @@ def test_from_log_names_what_a_log_predates_and_refuses_what_is_gone(tiny_npz, t
     old = tmp_path / "old.json"
     old.write_text(json.dumps(log))
     preset, options, _, predated = train_cifar.config_from_log(str(old))
-    assert preset == "fast94" and predated == ["ema_decay"]  # (the other three: core.PREDATED_VALUES)
+    assert preset == "fast94" and predated == ["eval_every"]
     assert options["color_jitter"] == (0.0, 0.0) and options["sync_check"] is False
-    assert options["ema_decay"] == train_cifar.COMMON["ema_decay"]
+    assert options["ema_decay"] == train_cifar.COMMON["ema_decay"] and "ema_decay" in core.PREDATED_UNUSED
+    assert options["eval_every"] == train_cifar.COMMON["eval_every"]
     assert options["tta_confidence"] == 0.0 != train_cifar.PRESETS["fast94"]["tta_confidence"]
     capsys.readouterr()
     rerun = train_cifar.main(["--from-log", str(old), "--data", tiny_npz, "--log-dir", ""])
     out = capsys.readouterr().out
-    assert "the log predates --ema-decay: they take" in out and "the log ran 2 processes, this 1" in out
-    assert "--color-jitter" not in out and "--sync-check" not in out and "--tta-confidence" not in out
+    assert "the log predates --eval-every: they take" in out and "the log ran 2 processes, this 1" in out
+    assert not any(f"--{k}" in out for k in ("color-jitter", "sync-check", "tta-confidence", "ema-decay"))
     assert rerun["reproduces"]["runs"][0]["first_difference"] is None  # trained as logged, without the jitter
     assert rerun["config"]["tta_confidence"] == 0.0
     log["config"]["muon_fixed_norm"] = True  # an option since removed
