@@ -171,6 +171,11 @@ def as_lists(v):
     return [as_lists(u) for u in v] if isinstance(v, (list, tuple)) else v
 
 
+def as_tuples(options):
+    """Options with their lists (from JSON or argparse's nargs) as the tuples train_cifar's configs hold."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+
+
 def settings_difference(there, here):
     """The settings that differ, each with both values ("target 0.8 there, 0.15 here"); nested ones (--set
     options) by dotted key. The whole dicts hold ~20 keys and hid the one that mattered."""

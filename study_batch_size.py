@@ -219,7 +219,7 @@ def make_trial(settings, batch_size, trial, n_train):
                  lr_knots=tuple(knots), lr_values=tuple(values), target=settings["target"], stop_at_target=True,
                  eval_every=0, eval_every_steps=every, holdout=settings["holdout"], seed=settings["seed"] + trial,
                  runs=1)
-    train = {k: tuple(v) if isinstance(v, list) else v for k, v in train.items()}
+    train = core.as_tuples(train)
     return dict(workload=settings["workload"], optimizer=settings["optimizer"], batch_size=batch_size, trial=trial,
                 params=params, budget_steps=budget, budget_epochs=budget_epochs, eval_every_steps=every,
                 lr_window=list(lr_window(batch_size, space, **window)), train=train)
@@ -753,7 +753,7 @@ def describe_settings(settings):
     """What every trial trains, from the effective train_cifar config and study settings (after --set, --target,
     --holdout, ...), not the workload's description: a header restating defaults misled about what ran."""
     import train_cifar
-    overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in settings["overrides"].items()}
+    overrides = core.as_tuples(settings["overrides"])
     cfg = train_cifar.make_config(settings["preset"], **overrides)
     net = settings["preset"] + (" net at widths " + "/".join(map(str, cfg["widths"])) if cfg["widths"] else "")
     where = (f"on a {settings['holdout']}-image holdout" if settings["eval"] == "holdout" else "on the test set")
@@ -835,8 +835,7 @@ def parse_args(argv):
                                            args.lr_range, args.lr_window_exponent, args.train_subset,
                                            core.parse_overrides(args.set))
             import train_cifar
-            train_cifar.make_config(w["preset"], **{k: tuple(v) if isinstance(v, list) else v
-                                                   for k, v in args.settings["overrides"].items()})
+            train_cifar.make_config(w["preset"], **core.as_tuples(args.settings["overrides"]))
             for b in args.batch_sizes:  # a window reaching 0 or inf was a "math domain error" naming nothing
                 try:
                     lo, hi = lr_window(b, args.settings["search_space"], args.lr_window_exponent)

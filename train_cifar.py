@@ -214,9 +214,9 @@ PRESETS = {
     # LR (the reference's freeze never triggers); lookahead from the start, its average copied into the net at
     # the end only. Here (bf16, 2-core CPUs): 95.93 ± 0.13% (n=5: 96.15 on an AMX Xeon, 7,004 s; 95.89, 95.94,
     # 95.84 on a Zen 4, 8,209-8,653 s; 95.85 on a Zen 5, 5,503 s), logs/fast96-20261201-191119-370,
-    # -20261203-195518-4029, -224917-7679, -20261204-015551-12482, -20261205-193008-20983: 0.07 short of 96%. NVIDIA H200, compiled: 95.95 ± 0.16% (n=9, 4 reach 96%),
-    # 24.6 ± 1.4 s a run, logs/fast96-20261204-163515-2040 and -163937-2863 (the lease before: 95.98 ± 0.08%,
-    # n=3, 22.5 ± 0.6 s, logs/fast96-20261204-102203-2565).
+    # -20261203-195518-4029, -224917-7679, -20261204-015551-12482, -20261205-193008-20983: 0.07 short of 96%.
+    # NVIDIA H200, compiled: 95.95 ± 0.16% (n=9, 4 reach 96%), 24.6 ± 1.4 s a run, logs/fast96-20261204-163515-2040
+    # and -163937-2863 (the lease before: 95.98 ± 0.08%, n=3, 22.5 ± 0.6 s, logs/fast96-20261204-102203-2565).
     "fast96": dict(
         net="fastnet", widths=(128, 384, 512), block_depth=3, bn_momentum=0.1, epochs=45, batch_size=512,
         select_fraction=0.5, proxy_widths=(32, 64, 64), proxy_every=4,
@@ -1404,7 +1404,7 @@ def config_from_log(path):
     missing = sorted(k for k in absent if k not in COMMON)
     if missing:
         raise ValueError(f"{path} lacks {', '.join(missing)}: not a complete config")
-    options = {k: tuple(v) if isinstance(v, list) else v for k, v in logged.items()}
+    options = core.as_tuples(logged)
     make_config(preset, **options)  # a value of the wrong kind: its error now, not a traceback later
     return preset, options, log, sorted(absent - set(core.PREDATED_UNUSED))
 
@@ -1605,9 +1605,8 @@ def run_options(args):
     """(preset, overrides, rerun) of parsed command-line options: the run's preset and every option given (with
     --from-log, the log's config under them; --data among them); rerun is None, or --from-log's (log, the
     log's options, the options it predates)."""
-    overrides = {k: tuple(v) if isinstance(v, list) else v  # (argparse's nargs="+" lists: the configs' tuples)
-                 for k, v in vars(args).items()
-                 if k not in ("preset", "log_dir", "device", "checkpoint", "from_log") and v is not None}
+    not_options = ("preset", "log_dir", "device", "checkpoint", "from_log")
+    overrides = core.as_tuples({k: v for k, v in vars(args).items() if k not in not_options and v is not None})
     rerun = None
     if args.from_log:
         if args.preset:

@@ -318,6 +318,6 @@ def test_every_option_a_committed_log_lacks_has_its_predated_value_or_says_why_n
 @pytest.mark.parametrize("preset", list(train_cifar.PRESETS))
 def test_the_predated_values_are_valid_options(preset):
     """Each is a value today's code takes (a rerun of an old log passes them to make_config)."""
-    values = {k: tuple(v) if isinstance(v, list) else v for k, v in core.PREDATED_VALUES.items()}
+    values = core.as_tuples(core.PREDATED_VALUES)
     cfg = train_cifar.make_config(preset, **values)
     assert {k: cfg[k] for k in values} == values
