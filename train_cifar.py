@@ -666,10 +666,38 @@ def train_size(cfg, epoch):
     return int(sizes[min(epoch, len(sizes)) - 1]) if sizes else IMAGE_SIZE
 
 
+def whiten_bias_trains(cfg, epoch):
+    """Whether fastnet's whitening bias trains in this epoch (1-based): only in the first whiten_bias_epochs. None
+    where the option is 0 (the bias always trains, as built)."""
+    return epoch <= cfg["whiten_bias_epochs"] if cfg["whiten_bias_epochs"] else None
+
+
+def set_whiten_bias_trains(model, trains):
+    """Freezes or unfreezes the whitening bias (None: as it is); True where that changed requires_grad. A frozen
+    bias also spares the step the first block's input gradient, which only the bias needs."""
+    bias = whiten_bias(model)
+    if trains is None or bias is None or bias.requires_grad == trains:
+        return False
+    bias.requires_grad_(trains)
+    return True
+
+
+def whiten_bias(model):
+    """The whitening conv's bias (fastnet's), or None for nets without one."""
+    return getattr(getattr(model, "whiten", None), "bias", None)
+
+
+def step_kinds(cfg, n_train):
+    """(image side, whether the whitening bias trains) at every step of a run: together they decide what a step
+    computes."""
+    per_epoch = steps_per_epoch(cfg, n_train)
+    epochs = (s // per_epoch + 1 for s in range(run_steps(cfg, n_train)))
+    return [(train_size(cfg, e), whiten_bias_trains(cfg, e)) for e in epochs]
+
+
 def step_sizes(cfg, n_train):
     """The training image side at every step of a run."""
-    per_epoch = steps_per_epoch(cfg, n_train)
-    return [train_size(cfg, s // per_epoch + 1) for s in range(run_steps(cfg, n_train))]
+    return [side for side, _ in step_kinds(cfg, n_train)]
 
 
 def set_lr(opt, lr):
@@ -773,29 +801,38 @@ def step_flops(model, opt, device, precision, batch_size, size=IMAGE_SIZE):
 
 
 def run_flops(cfg, model, opt, device, precision, n_train, steps_done=None):
-    """(FLOPs of a step at the run's last image size, steps, FLOPs of the whole run, or of its first steps_done
-    steps). Each image size of progressive resizing is counted once. With data selection a step also scores its
-    candidates with the proxy (a forward pass), and every proxy_every-th step the proxy trains: a backward pass
-    through the candidates' forward and its own update."""
-    sizes = step_sizes(cfg, n_train)
-    steps = len(sizes)
+    """(FLOPs of the run's last step, steps, FLOPs of the whole run, or of its first steps_done steps)."""
+    parts = run_flops_parts(cfg, model, opt, device, precision, n_train, steps_done)
+    last_step = parts["last_step_net"] + parts["last_step_scoring"]
+    return last_step, parts["steps"], parts["net"] + parts["scoring"] + parts["proxy_training"]
+
+
+def run_flops_parts(cfg, model, opt, device, precision, n_train, steps_done=None):
+    """A run's training FLOPs (or its first steps_done steps'), in parts: the net's steps, with data selection
+    the proxy's scoring of the candidates (a forward pass each step) and its training (a backward pass through
+    those candidates and its update, every proxy_every-th step), and the last step's net and scoring. Each kind
+    of step is counted once: each image size of progressive resizing, with the whitening bias trained or frozen
+    as the run has it then (a frozen one needs no input gradient of the first block: 3% of a fast94 step)."""
+    kinds = step_kinds(cfg, n_train)
     proxy = Proxy(cfg, None, None, device, precision) if uses_proxy(cfg) else None
-    per_size, proxy_training = {}, {}
-    for size in set(sizes):
-        per_size[size] = step_flops(model, opt, device, precision, cfg["batch_size"], size)
-        if proxy is not None:
-            x = torch.randn(candidate_batch_size(cfg), 3, size, size, device=device)
-            x = x.to(memory_format=torch.channels_last)
-            with torch.no_grad():
-                scoring = tb.count_flops(lambda: proxy.model(x))
-            training = step_flops(proxy.model, proxy.opt, device, precision, len(x), size)
-            per_size[size] += scoring
-            proxy_training[size] = training - scoring
-    done = sizes[:steps if steps_done is None else steps_done]
-    total = sum(per_size[size] for size in done)
-    if proxy is not None:  # the proxy trains at steps 0, every, 2 every, ...
-        total += sum(proxy_training[size] for size in done[::cfg["proxy_every"]])
-    return per_size[sizes[-1]], steps, total
+    per_kind, scoring, proxy_training = {}, {}, {}
+    was = whiten_bias(model).requires_grad if whiten_bias(model) is not None else None
+    try:
+        for size, bias_trains in set(kinds):
+            set_whiten_bias_trains(model, bias_trains)
+            per_kind[size, bias_trains] = step_flops(model, opt, device, precision, cfg["batch_size"], size)
+    finally:
+        set_whiten_bias_trains(model, was)
+    for size in {side for side, _ in kinds} if proxy is not None else ():
+        x = torch.randn(candidate_batch_size(cfg), 3, size, size, device=device)
+        x = x.to(memory_format=torch.channels_last)
+        with torch.no_grad():
+            scoring[size] = tb.count_flops(lambda: proxy.model(x))
+        proxy_training[size] = step_flops(proxy.model, proxy.opt, device, precision, len(x), size) - scoring[size]
+    done = kinds[:len(kinds) if steps_done is None else steps_done]
+    return dict(steps=len(kinds), last_step_net=per_kind[kinds[-1]], last_step_scoring=scoring.get(kinds[-1][0], 0),
+                net=sum(per_kind[kind] for kind in done), scoring=sum(scoring.get(side, 0) for side, _ in done),
+                proxy_training=sum(proxy_training.get(side, 0) for side, _ in done[::cfg["proxy_every"]]))
 
 
 def load_checkpoint(path, device):
@@ -953,12 +990,8 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
             log(f"{checkpoint} holds this run's result already: nothing trained")
             return dict(result, trained_nothing=True)
     for epoch in range(start_epoch, math.ceil(total_steps / per_epoch) + 1):
-        if cfg["whiten_bias_epochs"] and hasattr(model, "whiten"):
-            trainable = epoch <= cfg["whiten_bias_epochs"]
-            if model.whiten.bias.requires_grad != trainable:
-                model.whiten.bias.requires_grad_(trainable)
-                if world > 1:  # DDP fixes the parameters it reduces when it is built: build it again
-                    step_fn = make_step_fn(cfg, model, world)
+        if set_whiten_bias_trains(model, whiten_bias_trains(cfg, epoch)) and world > 1:
+            step_fn = make_step_fn(cfg, model, world)  # DDP fixes the parameters it reduces when built: again
         size = train_size(cfg, epoch)
         loss_sum = torch.zeros((), device=device)
         correct = torch.zeros((), device=device, dtype=torch.long)

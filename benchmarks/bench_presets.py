@@ -86,21 +86,27 @@ def measure(preset, device, steps, repeats, compile=False, overrides=None, break
             train_cifar.record_losses(history, idx, out, y, cfg["label_smoothing"], 1)
         losses.append(loss.detach())
 
-    # Progressive resizing: each image size is timed on its own and weighted by the run's steps at it.
-    sizes = train_cifar.step_sizes(cfg, N_TRAIN)
-    seconds = {side: time_steps(lambda i: step(i, side), sync, steps, repeats, warm_up=3 if compile else 2)
-               for side in sorted(set(sizes))}
-    est_time = sum(seconds[side][0] for side in sizes)
-    est_std = sum(seconds[side][1] for side in sizes)  # the sizes' errors added, not in quadrature: an upper bound
+    # Each kind of step the run takes (image size of progressive resizing, whitening bias trained or frozen) is
+    # timed on its own and weighted by the run's steps of that kind.
+    kinds = train_cifar.step_kinds(cfg, N_TRAIN)
+    seconds = {}
+    for side, bias_trains in sorted(set(kinds)):
+        train_cifar.set_whiten_bias_trains(model, bias_trains)
+        seconds[side, bias_trains] = time_steps(lambda i: step(i, side), sync, steps, repeats,
+                                                warm_up=3 if compile else 2)
+    train_cifar.set_whiten_bias_trains(model, kinds[-1][1])  # as the run ends, for the breakdown
+    est_time = sum(seconds[kind][0] for kind in kinds)
+    est_std = sum(seconds[kind][1] for kind in kinds)  # the kinds' errors added, not in quadrature: an upper bound
     per_step = (est_time / run_steps, est_std / run_steps)
     result = dict(preset=preset, overrides=overrides or {}, compile=compile, precision=precision, batch_size=bs,
                 candidates_per_step=drawn, flops_per_step=flops_step, train_flops_per_run=flops_run,
                 img_per_s=(bs / per_step[0], bs * per_step[1] / per_step[0] ** 2),
                 tflop_per_s=(flops_run / est_time / 1e12, flops_run * est_std / est_time ** 2 / 1e12),
                 est_train_time_s=est_time, losses_finite=bool(torch.stack(losses).isfinite().all()),
-                seconds_per_step_by_size={str(side): seconds[side] for side in seconds})
+                seconds_per_step_by_size={f"{side}{' with the whitening bias trained' if trains else ''}": t
+                                          for (side, trains), t in seconds.items()})
     if breakdown:  # each part of a full-size step alone, synchronised: what the step's time is made of
-        side = sizes[-1]
+        side = kinds[-1][0]
         x, y, _ = batch(0, drawn, side)
         parts = dict(batch=lambda i: batch(i, drawn, side),
                      forward_backward=lambda i: train_cifar.forward_backward(cfg, model, step_fn, x[:bs], y[:bs],
@@ -117,12 +123,12 @@ def measure(preset, device, steps, repeats, compile=False, overrides=None, break
             host.append(time.perf_counter() - t)
             sync()
         result["host_seconds_per_step"] = core.mean_std(host)
-        result["step_seconds_at_full_size"] = seconds[side]
+        result["step_seconds_at_full_size"] = seconds[kinds[-1]]
     if profile and device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile as torch_profile
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for i in range(steps):
-                step(i, sizes[-1])
+                step(i, kinds[-1][0])
             sync()
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         result["kernels_per_step"] = len(kernels) / steps
@@ -138,16 +144,13 @@ def count_only(preset, overrides=None):
     cfg = train_cifar.make_config(preset, **dict(overrides or {}, precision="fp32"))
     model = train_cifar.build_model(cfg, meta)
     opt = train_cifar.make_optimizer(cfg, model)
-    per_step, steps, per_run = train_cifar.run_flops(cfg, model, opt, meta, "fp32", N_TRAIN)
-    sizes = train_cifar.step_sizes(cfg, N_TRAIN)
-    net_step = train_cifar.step_flops(model, opt, meta, "fp32", cfg["batch_size"], sizes[-1])
-    # a step at each size of progressive resizing, with its scoring: what is left of the run trains the proxy
-    stepping = {side: train_cifar.run_flops(dict(cfg, train_sizes=(side,)), model, opt, meta, "fp32", N_TRAIN)[0]
-                for side in set(sizes)}
+    parts = train_cifar.run_flops_parts(cfg, model, opt, meta, "fp32", N_TRAIN)
+    per_run = parts["net"] + parts["scoring"] + parts["proxy_training"]
     return dict(preset=preset, overrides=overrides or {}, batch_size=cfg["batch_size"],
-                candidates_per_step=train_cifar.candidate_batch_size(cfg), flops_per_step=per_step,
-                net_flops_per_step=net_step, scoring_flops_per_step=per_step - net_step, train_steps=steps,
-                proxy_train_flops=per_run - sum(stepping[side] for side in sizes), train_flops_per_run=per_run)
+                candidates_per_step=train_cifar.candidate_batch_size(cfg),
+                flops_per_step=parts["last_step_net"] + parts["last_step_scoring"],
+                net_flops_per_step=parts["last_step_net"], scoring_flops_per_step=parts["last_step_scoring"],
+                train_steps=parts["steps"], proxy_train_flops=parts["proxy_training"], train_flops_per_run=per_run)
 
 
 def matmul_peak(device, precision, size=None, repeats=5):

@@ -124,6 +124,34 @@ def test_rates_are_the_runs_trained_images_and_flops_over_its_time_at_each_size(
     assert r["tflop_per_s"][1] / r["tflop_per_s"][0] == pytest.approx(spread / seconds)
 
 
+def test_each_kind_of_step_is_timed_with_the_whitening_bias_as_the_run_has_it(monkeypatch):
+    """fast94 freezes the whitening bias after whiten_bias_epochs; a frozen bias's step skips the first block's
+    input gradient, so it is timed apart. By hand: 200 images in batches of 25 are 8 steps an epoch; epoch 1 at 24 px
+    with the bias trained, epochs 2-3 at 32 px with it frozen."""
+    monkeypatch.setattr(bench_presets, "N_TRAIN", 200)
+    built, states = [], []
+    build = bench_presets.train_cifar.build_model
+    monkeypatch.setattr(bench_presets.train_cifar, "build_model",
+                        lambda *a, **k: built.append(build(*a, **k)) or built[-1])
+    timing = bench_presets.time_steps
+
+    def spy(step, *a, **k):
+        states.append(built[0].whiten.bias.requires_grad)
+        return timing(step, *a, **k)
+    monkeypatch.setattr(bench_presets, "time_steps", spy)
+    overrides = dict(widths=(8, 16, 16), batch_size=25, precision="fp32", epochs=3, lr_knots=(0, 3),
+                     train_sizes=(24, 32), whiten_bias_epochs=1)
+    r = bench_presets.measure("fast94", torch.device("cpu"), steps=1, repeats=2, overrides=overrides)
+    assert states == [True, False]  # 24 px trained, then 32 px frozen
+    at = r["seconds_per_step_by_size"]
+    assert set(at) == {"24 with the whitening bias trained", "32"}
+    assert r["est_train_time_s"] == pytest.approx(8 * at["24 with the whitening bias trained"][0] + 16 * at["32"][0])
+    trained_24 = bench_presets.count_only("fast94", dict(overrides, train_sizes=(24,), epochs=1, lr_knots=(0, 1)))
+    # the last step's count (32 px, frozen) x 16, and the 24 px steps' with the bias trained x 8
+    assert r["train_flops_per_run"] == 16 * r["flops_per_step"] + 8 * trained_24["flops_per_step"]
+    assert not built[0].whiten.bias.requires_grad  # left as the run ends
+
+
 def test_the_share_of_peak_is_the_achieved_rate_over_the_peaks_mean(monkeypatch, capsys, tmp_path):
     """The table's % peak column against the logged rates, with a stand-in peak of 1 MFLOP/s ± 0.5 (the
     tiny net's rate is thousands of times that)."""

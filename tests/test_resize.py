@@ -57,21 +57,33 @@ def test_each_epoch_trains_at_its_scheduled_size_and_evaluates_at_32(monkeypatch
     assert {size for training, size in seen if not training} == {32}
 
 
-def test_run_flops_sum_each_steps_own_size():
+def test_run_flops_sum_each_steps_own_size_and_whitening_bias():
+    """fast94 trains the whitening bias in epochs 1-3 only; a frozen bias spares the step the first block's input
+    gradient: the conv 24 -> 64 (3x3) on the whitened map, 2 x 2000 x (side - 1)^2 x 64 x 24 x 9 FLOPs."""
     meta = torch.device("meta")
     cfg = train_cifar.make_config("fast94", epochs=8, lr_knots=(0, 8), train_sizes=(20, 24, 32), precision="fp32")
+    assert cfg["whiten_bias_epochs"] == 3
     net = train_cifar.build_model(cfg, meta)
     opt = train_cifar.make_optimizer(cfg, net)
-    at = {s: train_cifar.step_flops(net, opt, meta, "fp32", cfg["batch_size"], s) for s in (20, 24, 32)}
-    assert at[20] < at[24] < at[32]
+    at = {}
+    for trains in (True, False):
+        net.whiten.bias.requires_grad_(trains)
+        at.update({(s, trains): train_cifar.step_flops(net, opt, meta, "fp32", cfg["batch_size"], s)
+                   for s in (20, 24, 32)})
+    net.whiten.bias.requires_grad_(True)
+    for s in (20, 24, 32):
+        assert at[s, True] - at[s, False] == 2 * cfg["batch_size"] * (s - 1) ** 2 * 64 * 24 * 9
+    assert at[20, True] < at[24, True] < at[32, False]
     per_epoch = train_cifar.steps_per_epoch(cfg, 50000)  # 25 steps of 2000; 8 epochs
     per_step, steps, total = train_cifar.run_flops(cfg, net, opt, meta, "fp32", 50000)
-    assert (per_step, steps) == (at[32], 8 * per_epoch)
-    assert total == per_epoch * (at[20] + at[24] + 6 * at[32])
+    assert (per_step, steps) == (at[32, False], 8 * per_epoch)
+    assert total == per_epoch * (at[20, True] + at[24, True] + at[32, True] + 5 * at[32, False])
+    assert net.whiten.bias.requires_grad  # counted, and left as it was
     # a run stopped 30 steps in trained one epoch at 20 and five steps at 24
-    assert train_cifar.run_flops(cfg, net, opt, meta, "fp32", 50000, 30)[2] == per_epoch * at[20] + 5 * at[24]
-    plain = dict(cfg, train_sizes=())
-    assert train_cifar.run_flops(plain, net, opt, meta, "fp32", 50000)[2] == steps * at[32]
+    stopped = train_cifar.run_flops(cfg, net, opt, meta, "fp32", 50000, 30)[2]
+    assert stopped == per_epoch * at[20, True] + 5 * at[24, True]
+    plain = dict(cfg, train_sizes=(), whiten_bias_epochs=0)  # the bias trains throughout
+    assert train_cifar.run_flops(plain, net, opt, meta, "fp32", 50000)[2] == steps * at[32, True]
 
 
 @pytest.mark.parametrize("sizes", [(12, 32), (24.5,), (33,)])
