@@ -1,13 +1,16 @@
-"""The README's records table against the logs it links, and every link in the docs against the repository: a
-number typed by hand or a log renamed fails here. And every command-line option documented in --help."""
+"""The README's records table against the logs it links and the FLOPs today's code counts, and every link in the
+docs against the repository: a number typed by hand or a log renamed fails here. And every command-line option
+documented in --help."""
 import ast
 import json
 import os
 import re
 
 import pytest
+import torch
 
 import core
+import train_cifar
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["README.md", "RESULTS.md", "SPEED.md"]
@@ -46,6 +49,14 @@ def linked_logs(cell):
 def run_accuracy(run):
     """A finished run's final accuracy, or a run stopped early's last evaluation."""
     return run["accuracy"] if run["accuracy"] is not None else run["epochs"][-1]["test_acc"]
+
+
+def counted_pf(preset):
+    """A preset's training FLOPs per run (PF) as today's code counts them: on shapes alone (the meta device)."""
+    meta = torch.device("meta")
+    cfg = train_cifar.make_config(preset, precision="fp32")
+    net = train_cifar.build_model(cfg, meta)
+    return train_cifar.run_flops(cfg, net, train_cifar.make_optimizer(cfg, net), meta, "fp32", 50000)[2] / 1e15
 
 
 def flops_per_run(log):
@@ -91,8 +102,11 @@ def test_records_row_matches_its_logs(preset, cells):
     if not stats:
         first = re.search(r"([\d.]+)%", accuracy_cell).group(1)
         assert f"{accuracies[0]:.2f}" == first, f"{preset}: its log gives {accuracies[0]:.2f}%"
-    pf = flops_per_run(logs[0]) / 1e15
-    assert f"{pf:.3f} PF" in flops_cell or f"{pf:.2f} PF" in flops_cell, f"{preset}: its log counts {pf:.3f} PF"
+    def shown(pf):
+        return f"{pf:.3f} PF" in flops_cell or f"{pf:.2f} PF" in flops_cell
+    today, logged = counted_pf(preset), flops_per_run(logs[0]) / 1e15
+    assert shown(today), f"{preset}: today's code counts {today:.3f} PF a run"
+    assert shown(logged) or f"{logged:.3f}" == f"{today:.3f}", f"{preset}: its log counts {logged:.3f} PF; say so too"
     # the cell names each vendor whose machines ran the linked logs, and no other
     def vendors(text):
         return {v for v in ("Intel", "AMD", "NVIDIA", "Apple") if v in text}
