@@ -695,11 +695,6 @@ def step_kinds(cfg, n_train):
     return [(train_size(cfg, e), whiten_bias_trains(cfg, e)) for e in epochs]
 
 
-def step_sizes(cfg, n_train):
-    """The training image side at every step of a run."""
-    return [side for side, _ in step_kinds(cfg, n_train)]
-
-
 def set_lr(opt, lr):
     """The schedule's LR, scaled per parameter group (biases, Muon's filters)."""
     for g in opt.param_groups:
@@ -812,7 +807,7 @@ def run_flops_parts(cfg, model, opt, device, precision, n_train, steps_done=None
     the proxy's scoring of the candidates (a forward pass each step) and its training (a backward pass through
     those candidates and its update, every proxy_every-th step), and the last step's net and scoring. Each kind
     of step is counted once: each image size of progressive resizing, with the whitening bias trained or frozen
-    as the run has it then (a frozen one needs no input gradient of the first block: 3% of a fast94 step)."""
+    as the run has it then (a frozen one needs no input gradient of the first block: 4% of a fast94 step)."""
     kinds = step_kinds(cfg, n_train)
     proxy = Proxy(cfg, None, None, device, precision) if uses_proxy(cfg) else None
     per_kind, scoring, proxy_training = {}, {}, {}
@@ -1089,6 +1084,8 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
                 last = True
         if last:
             result.update(accuracy=test_acc, total_time_s=timer.total)
+            if step < total_steps:  # stopped at the target (or cut short, below): its FLOPs are the steps it trained
+                result["steps_trained"] = step
         if truncated:
             result.update(stopped_after_epoch=epoch, steps_trained=step)
         if checkpoint:
@@ -1330,7 +1327,7 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
                                     time_to_target_s=None, total_time_s=None, train_flops=None, diverged=True))
                 raise
             res["train_flops"] = flops_per_run
-            if res.get("stopped_after_epoch"):  # only the steps it trained, counted on shapes alone
+            if res.get("steps_trained"):  # a run stopped early: only the steps it trained, counted on shapes alone
                 meta = torch.device("meta")
                 net = build_model(cfg, meta)
                 res["train_flops"] = run_flops(cfg, net, make_optimizer(cfg, net), meta, "fp32",

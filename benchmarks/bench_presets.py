@@ -23,6 +23,7 @@ import torch_backend as tb  # noqa: E402
 import train_cifar  # noqa: E402
 
 N_TRAIN = 50000
+WHITEN_BIAS_STATE = {None: "", True: " with the whitening bias trained", False: " with the whitening bias frozen"}
 
 
 def time_steps(step, sync, steps, repeats, warm_up):
@@ -103,7 +104,7 @@ def measure(preset, device, steps, repeats, compile=False, overrides=None, break
                 img_per_s=(bs / per_step[0], bs * per_step[1] / per_step[0] ** 2),
                 tflop_per_s=(flops_run / est_time / 1e12, flops_run * est_std / est_time ** 2 / 1e12),
                 est_train_time_s=est_time, losses_finite=bool(torch.stack(losses).isfinite().all()),
-                seconds_per_step_by_size={f"{side}{' with the whitening bias trained' if trains else ''}": t
+                seconds_per_step_by_size={f"{side}{WHITEN_BIAS_STATE[trains]}": t
                                           for (side, trains), t in seconds.items()})
     if breakdown:  # each part of a full-size step alone, synchronised: what the step's time is made of
         side = kinds[-1][0]

@@ -126,8 +126,9 @@ def test_rates_are_the_runs_trained_images_and_flops_over_its_time_at_each_size(
 
 def test_each_kind_of_step_is_timed_with_the_whitening_bias_as_the_run_has_it(monkeypatch):
     """fast94 freezes the whitening bias after whiten_bias_epochs; a frozen bias's step skips the first block's
-    input gradient, so it is timed apart. By hand: 200 images in batches of 25 are 8 steps an epoch; epoch 1 at 24 px
-    with the bias trained, epochs 2-3 at 32 px with it frozen."""
+    input gradient, so it is timed apart. By hand: 200 images in batches of 25 are 8 steps an epoch; epoch 1 at 32 px
+    with the bias trained, epochs 2-3 at 24 px with it frozen (timed in the order 24 then 32, so the bias must be
+    put back as the run ends)."""
     monkeypatch.setattr(bench_presets, "N_TRAIN", 200)
     built, states = [], []
     build = bench_presets.train_cifar.build_model
@@ -140,16 +141,17 @@ def test_each_kind_of_step_is_timed_with_the_whitening_bias_as_the_run_has_it(mo
         return timing(step, *a, **k)
     monkeypatch.setattr(bench_presets, "time_steps", spy)
     overrides = dict(widths=(8, 16, 16), batch_size=25, precision="fp32", epochs=3, lr_knots=(0, 3),
-                     train_sizes=(24, 32), whiten_bias_epochs=1)
+                     train_sizes=(32, 24), whiten_bias_epochs=1)
     r = bench_presets.measure("fast94", torch.device("cpu"), steps=1, repeats=2, overrides=overrides)
-    assert states == [True, False]  # 24 px trained, then 32 px frozen
+    assert states == [False, True]  # 24 px frozen, then 32 px trained
     at = r["seconds_per_step_by_size"]
-    assert set(at) == {"24 with the whitening bias trained", "32"}
-    assert r["est_train_time_s"] == pytest.approx(8 * at["24 with the whitening bias trained"][0] + 16 * at["32"][0])
-    trained_24 = bench_presets.count_only("fast94", dict(overrides, train_sizes=(24,), epochs=1, lr_knots=(0, 1)))
-    # the last step's count (32 px, frozen) x 16, and the 24 px steps' with the bias trained x 8
-    assert r["train_flops_per_run"] == 16 * r["flops_per_step"] + 8 * trained_24["flops_per_step"]
-    assert not built[0].whiten.bias.requires_grad  # left as the run ends
+    assert set(at) == {"24 with the whitening bias frozen", "32 with the whitening bias trained"}
+    assert r["est_train_time_s"] == pytest.approx(8 * at["32 with the whitening bias trained"][0]
+                                                  + 16 * at["24 with the whitening bias frozen"][0])
+    trained_32 = bench_presets.count_only("fast94", dict(overrides, train_sizes=(32,), epochs=1, lr_knots=(0, 1)))
+    # the last step's count (24 px, frozen) x 16, and the 32 px steps' with the bias trained x 8
+    assert r["train_flops_per_run"] == 16 * r["flops_per_step"] + 8 * trained_32["flops_per_step"]
+    assert not built[0].whiten.bias.requires_grad  # put back as the run ends
 
 
 def test_the_share_of_peak_is_the_achieved_rate_over_the_peaks_mean(monkeypatch, capsys, tmp_path):

@@ -70,7 +70,6 @@ def test_run_flops_sum_each_steps_own_size_and_whitening_bias():
         net.whiten.bias.requires_grad_(trains)
         at.update({(s, trains): train_cifar.step_flops(net, opt, meta, "fp32", cfg["batch_size"], s)
                    for s in (20, 24, 32)})
-    net.whiten.bias.requires_grad_(True)
     for s in (20, 24, 32):
         assert at[s, True] - at[s, False] == 2 * cfg["batch_size"] * (s - 1) ** 2 * 64 * 24 * 9
     assert at[20, True] < at[24, True] < at[32, False]
@@ -78,11 +77,12 @@ def test_run_flops_sum_each_steps_own_size_and_whitening_bias():
     per_step, steps, total = train_cifar.run_flops(cfg, net, opt, meta, "fp32", 50000)
     assert (per_step, steps) == (at[32, False], 8 * per_epoch)
     assert total == per_epoch * (at[20, True] + at[24, True] + at[32, True] + 5 * at[32, False])
-    assert net.whiten.bias.requires_grad  # counted, and left as it was
+    assert not net.whiten.bias.requires_grad  # counted in both states, and left frozen as it was
     # a run stopped 30 steps in trained one epoch at 20 and five steps at 24
     stopped = train_cifar.run_flops(cfg, net, opt, meta, "fp32", 50000, 30)[2]
     assert stopped == per_epoch * at[20, True] + 5 * at[24, True]
-    plain = dict(cfg, train_sizes=(), whiten_bias_epochs=0)  # the bias trains throughout
+    net.whiten.bias.requires_grad_(True)  # as built; whiten_bias_epochs 0 leaves it so: it trains throughout
+    plain = dict(cfg, train_sizes=(), whiten_bias_epochs=0)
     assert train_cifar.run_flops(plain, net, opt, meta, "fp32", 50000)[2] == steps * at[32, True]
 
 

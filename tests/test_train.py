@@ -705,6 +705,12 @@ def test_step_evaluations_stop_at_target_on_a_holdout():
     assert run["step_reached_target"] == 3 and [e["step"] for e in run["evals"]] == [3]
     assert len(run["epochs"]) == 1 and run["accuracy"] is not None  # stopped in the first epoch
     assert run["fresh_to_target"] == 3 * 50  # three batches of fresh examples
+    meta = torch.device("meta")  # its FLOPs: the 3 steps it trained, not the 18 of its schedule
+    cfg = train_cifar.make_config("resnet9", **dict(TINY, epochs=3, holdout=100, precision="fp32"))
+    net = train_cifar.build_model(cfg, meta)
+    opt = train_cifar.make_optimizer(cfg, net)
+    assert run["train_flops"] == train_cifar.run_flops(cfg, net, opt, meta, "fp32", 300, 3)[2]
+    assert run["train_flops"] == 3 * train_cifar.step_flops(net, opt, meta, "fp32", cfg["batch_size"])
     full = train_cifar.train("resnet9", data=data, log_dir=None, log=lambda *a: None,
                              **dict(TINY, epochs=1, holdout=100, eval_every_steps=2))
     assert [e["step"] for e in full["runs"][0]["evals"]] == [2, 4, 6]  # 300 training images, batch 50
@@ -1425,6 +1431,7 @@ def test_stop_at_target_ends_the_run_at_the_epoch_that_reached_it(monkeypatch, t
     run = train_cifar.train("fast94", data=tiny, epochs=4, target=0.5, stop_at_target=True, **TINY_FAST)["runs"][0]
     assert [r["epoch"] for r in run["epochs"]] == [1, 2]
     assert (run["epoch_reached_target"], run["accuracy"]) == (2, 0.5)
+    assert run["steps_trained"] == 2 * 200 // 50  # two epochs of four steps: its FLOPs count those
 
 
 def test_run_r_is_the_run_of_seed_plus_r(tiny):
