@@ -125,16 +125,25 @@ def measure(preset, device, steps, repeats, compile=False, overrides=None, break
             sync()
         result["host_seconds_per_step"] = core.mean_std(host)
         result["step_seconds_at_full_size"] = seconds[kinds[-1]]
-    if profile and device.type == "cuda":
+    if profile:  # a full-size step: the GPU's kernels, or on a CPU its ops by their own (self) time
         from torch.profiler import ProfilerActivity, profile as torch_profile
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        cuda = device.type == "cuda"
+        with torch_profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
             for i in range(steps):
                 step(i, kinds[-1][0])
             sync()
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        result["kernels_per_step"] = len(kernels) / steps
-        print(f"{preset}: {len(kernels) / steps:.0f} GPU kernels per step")
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
+        if cuda:
+            kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            result["kernels_per_step"] = len(kernels) / steps
+            print(f"{preset}: {len(kernels) / steps:.0f} GPU kernels per step")
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
+        else:
+            ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+            result["cpu_op_seconds_per_step"] = {e.key: e.self_cpu_time_total / 1e6 / steps for e in ops[:20]}
+            total = sum(e.self_cpu_time_total for e in ops) / 1e6 / steps
+            print(f"{preset}: a full-size step's ops, {total:.3f} s of their own time a step")
+            for name, seconds in result["cpu_op_seconds_per_step"].items():
+                print(f"  {name:48s} {1e3 * seconds:9.1f} ms  {100 * seconds / total:5.1f}%")
     return result
 
 
@@ -188,7 +197,8 @@ def main():
     p.add_argument("--breakdown", action="store_true",
                    help="also time each part of a step alone (batch, forward+backward, optimizer) and the host's time "
                         "to issue a step")
-    p.add_argument("--profile", action="store_true", help="on a GPU, print torch.profiler's top kernels of a step")
+    p.add_argument("--profile", action="store_true",
+                   help="print torch.profiler's top GPU kernels (on a CPU: ops) of a full-size step")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override an option of every preset, e.g. --set batch_size=2048")
     a = p.parse_args()
@@ -204,8 +214,6 @@ def main():
     idle = [f"--{k}" for k in ("breakdown", "profile") if getattr(a, k)]
     if a.flops_only and idle:
         p.error(f"--flops-only times nothing: {' and '.join(idle)} would have no effect")
-    if a.profile and device.type != "cuda":
-        p.error("--profile lists a step's GPU kernels: it needs a CUDA device")
     if "compile" in overrides:  # (measure() sets it from --compile: a --set compile=true was silently dropped)
         p.error("--set compile=: use --compile")
     if "compile_mode" in overrides and not a.compile:  # (train_cifar's "--compile true" is this script's --compile)

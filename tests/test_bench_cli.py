@@ -136,8 +136,6 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="bench_ddp.py ru
      "--flops-only times nothing: --breakdown would have no effect"),
     ("bench_presets.py", ["--flops-only", "--presets", "fast94", "--profile"],
      "--flops-only times nothing: --profile would have no effect"),  # (on a GPU it was otherwise accepted)
-    ("bench_presets.py", ["--presets", "fast94", "--device", "cpu", "--profile", *TINY_STEP],
-     "--profile lists a step's GPU kernels: it needs a CUDA device"),
 ])
 def test_options_train_would_refuse_exit_2_before_anything_is_timed(tmp_path, script, args, message):
     """The checks train() makes before a run (the batch fits the training images, ghost-BN groups divide it, the

@@ -169,6 +169,28 @@ def test_the_share_of_peak_is_the_achieved_rate_over_the_peaks_mean(monkeypatch,
     assert row[6] == f"{100 * r['tflop_per_s'][0] / 1e-6:.0f}%"
 
 
+def test_a_cpu_profile_logs_and_prints_a_full_size_steps_ops_by_their_own_time(monkeypatch, capsys, tmp_path):
+    """--profile on a CPU: the ops of steps at the run's last size (a spy sees the side the profiled steps are fed),
+    slowest first, the convolutions among them, each printed as logged."""
+    import json
+    monkeypatch.setattr(bench_presets, "N_TRAIN", 64)
+    sides, resize = [], bench_presets.tb.resize_images
+    monkeypatch.setattr(bench_presets.tb, "resize_images", lambda x, side: sides.append(side) or resize(x, side))
+    monkeypatch.setattr(sys, "argv", ["bench_presets.py", "--presets", "fast94", "--steps", "2", "--repeats", "1",
+                                      "--device", "cpu", "--log-dir", str(tmp_path), "--profile",
+                                      "--set=widths=(8,8,8)", "--set=batch_size=32", "--set=precision=fp32",
+                                      "--set=epochs=2", "--set=train_sizes=(20,24)"])
+    bench_presets.main()
+    out = capsys.readouterr().out
+    (r,) = json.load(open(next(tmp_path.iterdir())))["results"]
+    ops = r["cpu_op_seconds_per_step"]
+    assert "aten::convolution_backward" in ops and "aten::mkldnn_convolution" in ops
+    assert list(ops.values()) == sorted(ops.values(), reverse=True) and 0 < len(ops) <= 20
+    for name, seconds in ops.items():
+        assert f"{name:48s} {1e3 * seconds:9.1f} ms" in out
+    assert sides[-2:] == [24, 24]  # the profiled steps: at the last size
+
+
 def test_count_only_splits_a_step_by_the_runs_sizes_and_the_proxys_trainings(monkeypatch):
     """The net's FLOPs per step are those at the last image size (all of a step without data selection, which
     scores nothing), and the proxy trains at steps 0, proxy_every, ... at each step's size. By hand: 250 images in

@@ -65,7 +65,7 @@ def test_every_command_of_the_gpu_session_is_accepted(tmp_path, mode, env):
         if words[1] == "train_cifar.py":
             check_train_cifar(words[2:])
         elif words[1] == "benchmarks/bench_presets.py":  # its options and --set values, counting FLOPs only
-            timing_only = ("--breakdown", "--profile")  # (refused with --flops-only; --profile off CUDA too)
+            timing_only = ("--breakdown", "--profile")  # (refused with --flops-only)
             options = [w for w in on_cpu(words[2:]) if w not in timing_only]
             r = subprocess.run([sys.executable, *words[1:2], *options, "--flops-only", "--log-dir", ""],
                                cwd=ROOT, capture_output=True, text=True, timeout=300)
