@@ -607,22 +607,18 @@ def warm_up_compile(cfg, model, device, precision, world, opt=None):
     frozen): a change of requires_grad means another graph (and, under torchrun, another DDP wrapper). A later
     run finds most of the work in torch.compile's caches."""
     batches = warm_up_batches(cfg["batch_size"] // world, set(cfg["train_sizes"]) | {IMAGE_SIZE}, precision, device)
-    whiten_states = [True, False] if cfg["whiten_bias_epochs"] and hasattr(model, "whiten") else [None]
-    before = model.whiten.bias.requires_grad if whiten_states[0] is not None else None
+    whiten_states = [True, False] if cfg["whiten_bias_epochs"] else [None]
     with left_as_it_was(model):
-        for grad in whiten_states:
-            if grad is not None:
-                model.whiten.bias.requires_grad_(grad)
-            step_fn = make_step_fn(cfg, model, world)  # after the change: DDP wraps the parameters that train
-            for x, y in batches:
-                # CUDA graphs are recorded at a graph's second or third call, not its first
-                for _ in range(3 if uses_cuda_graphs(cfg) else 1):
-                    out = forward_backward(cfg, model, step_fn, x, y, precision, device)  # held as a step holds it
-                    if hasattr(opt, "warm_up"):  # a compiled Muon: after the backward, as in a step
-                        opt.warm_up()
-                    del out
-        if before is not None:
-            model.whiten.bias.requires_grad_(before)
+        for trains in whiten_states:
+            with whiten_bias_as(model, trains):
+                step_fn = make_step_fn(cfg, model, world)  # after the change: DDP wraps the parameters that train
+                for x, y in batches:
+                    # CUDA graphs are recorded at a graph's second or third call, not its first
+                    for _ in range(3 if uses_cuda_graphs(cfg) else 1):
+                        out = forward_backward(cfg, model, step_fn, x, y, precision, device)  # held as a step does
+                        if hasattr(opt, "warm_up"):  # a compiled Muon: after the backward, as in a step
+                            opt.warm_up()
+                        del out
 
 
 def candidate_batch_size(cfg):
@@ -685,6 +681,17 @@ def set_whiten_bias_trains(model, trains):
 def whiten_bias(model):
     """The whitening conv's bias (fastnet's), or None for nets without one."""
     return getattr(getattr(model, "whiten", None), "bias", None)
+
+
+@contextlib.contextmanager
+def whiten_bias_as(model, trains):
+    """The whitening bias trained or frozen (None: as it is) inside the block, and as it was after."""
+    was = whiten_bias(model).requires_grad if whiten_bias(model) is not None else None
+    set_whiten_bias_trains(model, trains)
+    try:
+        yield
+    finally:
+        set_whiten_bias_trains(model, was)
 
 
 def step_kinds(cfg, n_train):
@@ -811,13 +818,9 @@ def run_flops_parts(cfg, model, opt, device, precision, n_train, steps_done=None
     kinds = step_kinds(cfg, n_train)
     proxy = Proxy(cfg, None, None, device, precision) if uses_proxy(cfg) else None
     per_kind, scoring, proxy_training = {}, {}, {}
-    was = whiten_bias(model).requires_grad if whiten_bias(model) is not None else None
-    try:
-        for size, bias_trains in set(kinds):
-            set_whiten_bias_trains(model, bias_trains)
+    for size, bias_trains in set(kinds):
+        with whiten_bias_as(model, bias_trains):
             per_kind[size, bias_trains] = step_flops(model, opt, device, precision, cfg["batch_size"], size)
-    finally:
-        set_whiten_bias_trains(model, was)
     for size in {side for side, _ in kinds} if proxy is not None else ():
         x = torch.randn(candidate_batch_size(cfg), 3, size, size, device=device)
         x = x.to(memory_format=torch.channels_last)
