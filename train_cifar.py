@@ -805,16 +805,16 @@ def step_flops(model, opt, device, precision, batch_size, size=IMAGE_SIZE):
 def run_flops(cfg, model, opt, device, precision, n_train, steps_done=None):
     """(FLOPs of the run's last step, steps, FLOPs of the whole run, or of its first steps_done steps)."""
     parts = run_flops_parts(cfg, model, opt, device, precision, n_train, steps_done)
-    last_step = parts["last_step_net"] + parts["last_step_scoring"]
-    return last_step, parts["steps"], parts["net"] + parts["scoring"] + parts["proxy_training"]
+    return parts["last_step"], parts["steps"], parts["total"]
 
 
 def run_flops_parts(cfg, model, opt, device, precision, n_train, steps_done=None):
     """A run's training FLOPs (or its first steps_done steps'), in parts: the net's steps, with data selection
     the proxy's scoring of the candidates (a forward pass each step) and its training (a backward pass through
-    those candidates and its update, every proxy_every-th step), and the last step's net and scoring. Each kind
-    of step is counted once: each image size of progressive resizing, with the whitening bias trained or frozen
-    as the run has it then (a frozen one needs no input gradient of the first block: 4% of a fast94 step)."""
+    those candidates and its update, every proxy_every-th step), their total, and the last step's (net, scoring
+    and both: last_step). Each kind of step is counted once: each image size of progressive resizing, with the
+    whitening bias trained or frozen as the run has it then (a frozen one needs no input gradient of the first
+    block: 4% of a fast94 step)."""
     kinds = step_kinds(cfg, n_train)
     proxy = Proxy(cfg, None, None, device, precision) if uses_proxy(cfg) else None
     per_kind, scoring, proxy_training = {}, {}, {}
@@ -828,9 +828,11 @@ def run_flops_parts(cfg, model, opt, device, precision, n_train, steps_done=None
             scoring[size] = tb.count_flops(lambda: proxy.model(x))
         proxy_training[size] = step_flops(proxy.model, proxy.opt, device, precision, len(x), size) - scoring[size]
     done = kinds[:len(kinds) if steps_done is None else steps_done]
-    return dict(steps=len(kinds), last_step_net=per_kind[kinds[-1]], last_step_scoring=scoring.get(kinds[-1][0], 0),
-                net=sum(per_kind[kind] for kind in done), scoring=sum(scoring.get(side, 0) for side, _ in done),
-                proxy_training=sum(proxy_training.get(side, 0) for side, _ in done[::cfg["proxy_every"]]))
+    parts = dict(steps=len(kinds), last_step_net=per_kind[kinds[-1]], last_step_scoring=scoring.get(kinds[-1][0], 0),
+                 net=sum(per_kind[kind] for kind in done), scoring=sum(scoring.get(side, 0) for side, _ in done),
+                 proxy_training=sum(proxy_training.get(side, 0) for side, _ in done[::cfg["proxy_every"]]))
+    return dict(parts, last_step=parts["last_step_net"] + parts["last_step_scoring"],
+                total=parts["net"] + parts["scoring"] + parts["proxy_training"])
 
 
 def load_checkpoint(path, device):

@@ -155,12 +155,11 @@ def count_only(preset, overrides=None):
     model = train_cifar.build_model(cfg, meta)
     opt = train_cifar.make_optimizer(cfg, model)
     parts = train_cifar.run_flops_parts(cfg, model, opt, meta, "fp32", N_TRAIN)
-    per_run = parts["net"] + parts["scoring"] + parts["proxy_training"]
     return dict(preset=preset, overrides=overrides or {}, batch_size=cfg["batch_size"],
-                candidates_per_step=train_cifar.candidate_batch_size(cfg),
-                flops_per_step=parts["last_step_net"] + parts["last_step_scoring"],
+                candidates_per_step=train_cifar.candidate_batch_size(cfg), flops_per_step=parts["last_step"],
                 net_flops_per_step=parts["last_step_net"], scoring_flops_per_step=parts["last_step_scoring"],
-                train_steps=parts["steps"], proxy_train_flops=parts["proxy_training"], train_flops_per_run=per_run)
+                train_steps=parts["steps"], proxy_train_flops=parts["proxy_training"],
+                train_flops_per_run=parts["total"])
 
 
 def matmul_peak(device, precision, size=None, repeats=5):
