@@ -377,7 +377,7 @@ PREDATED_VALUES = {
     "color_jitter": [0.0, 0.0], "sync_check": False, "tta_confidence": 0.0, "train_sizes": [], "select_fraction": 1.0,
     "ema_every": 0, "echo": "none", "echo_factor": 1.0, "echo_shuffle_buffer": 0, "holdout": 0, "stop_at_target": False,
     "stop_after_epochs": 0, "eval_every_steps": 0, "warmup_epochs": 0.0, "lr_scaling": "none", "allreduce": "flat",
-    "bn_group_size": 0, "sync_bn_group_size": 0, "allreduce_group_size": 0,
+    "bn_group_size": 0, "sync_bn_group_size": 0, "allreduce_group_size": 0, "block_epochs": [],
     # what ran before the option named it: SGD, the device pipeline, the proxy that scored candidates, two convs a
     # block, FastNet's fixed BN momentum, the whitening bias among the fast biases, lookahead synced every epoch,
     # 5 Newton-Schulz steps, F.conv2d (oneDNN's kernels) on CPUs, GradScaler in fp16, torch.compile's default mode

@@ -190,7 +190,8 @@ def stretch(preset, overrides, factor):
     """The schedule made `factor` times longer: every setting counted in epochs (of examples trained on)."""
     cfg = train_cifar.make_config(preset, **overrides)
     out = dict(overrides, epochs=cfg["epochs"] * factor, lr_knots=tuple(k * factor for k in cfg["lr_knots"]),
-               warmup_epochs=cfg["warmup_epochs"] * factor, whiten_bias_epochs=cfg["whiten_bias_epochs"] * factor)
+               warmup_epochs=cfg["warmup_epochs"] * factor, whiten_bias_epochs=cfg["whiten_bias_epochs"] * factor,
+               block_epochs=tuple(e * factor for e in cfg["block_epochs"]))
     if cfg["lookahead_start_epoch"] >= 0:
         out["lookahead_start_epoch"] = cfg["lookahead_start_epoch"] * factor
     return out

@@ -758,8 +758,9 @@ class FastNet(nn.Module):
             bn = nn.BatchNorm2d(c_out, momentum=bn_momentum, eps=1e-12)
             bn.weight.requires_grad_(False)
             return [conv, nn.MaxPool2d(2), bn, nn.GELU()] if pool else [conv, bn, nn.GELU()]
-        blocks, c_in = [], whiten_width
+        blocks, c_in, self.block_starts = [], whiten_width, []
         for w in widths:
+            self.block_starts.append(len(blocks))  # (an index into self.blocks: the state dict keeps its keys)
             blocks += conv_bn_gelu(c_in, w, pool=True)
             if depth == 2:
                 blocks += conv_bn_gelu(w, w)
@@ -769,6 +770,17 @@ class FastNet(nn.Module):
         self.blocks = nn.Sequential(*blocks)
         self.head = nn.Linear(c_in, NUM_CLASSES, bias=False)
         self.head_scale = head_scale
+
+    @property
+    def num_blocks(self):
+        return len(self.block_starts)
+
+    def block_parameters(self, i):
+        """Block i's parameters that train as built: its conv filters and BN biases (its BN scales stay frozen)."""
+        end = self.block_starts[i + 1] if i + 1 < self.num_blocks else len(self.blocks)
+        modules = [m for layer in self.blocks[self.block_starts[i]:end] for m in layer.modules()]
+        return ([m.weight for m in modules if isinstance(m, nn.Conv2d)]
+                + [m.bias for m in modules if isinstance(m, nn.modules.batchnorm._BatchNorm)])
 
     def init_whitening(self, images_nchw):
         with torch.no_grad():

@@ -76,6 +76,10 @@ COMMON = dict(
     # fastnet's whitening bias: with the BN biases at bias_lr_scale (True, as airbench94's Muon record) or with the
     # weights at the plain LR (False, as airbench94, 95 and 96)
     whiten_bias_fast=True,
+    # fastnet: block i trains in its first block_epochs[i] epochs only, then is frozen (0, or a block past the
+    # list: always trained). A frozen first block spares the step its own backward and the second block's input
+    # gradient (18% of a fast94 step; FreezeOut, Brock et al. 2017, freezes layers early to late likewise)
+    block_epochs=(),
     # Data selection: each step draws batch_size / select_fraction candidates and trains on the batch_size of them
     # with the highest loss under a proxy, a small fastnet trained alongside (as airbench96): it scores every
     # step's candidates and takes a step of its own (the run's optimizer) on the chosen ones every proxy_every steps.
@@ -312,6 +316,11 @@ def check_config(cfg):
     need(cfg["whiten_bias_epochs"] >= 0, f"whiten-bias-epochs must be >= 0 (0: always trained), got "
          f"{cfg['whiten_bias_epochs']:g}")
     need(not cfg["whiten_bias_epochs"] or cfg["net"] == "fastnet", "whiten-bias-epochs needs net fastnet")
+    need(all(e >= 0 for e in cfg["block_epochs"]), f"block-epochs must be >= 0 (0: always trained), got "
+         f"{' '.join(f'{e:g}' for e in cfg['block_epochs'])}")
+    need(not cfg["block_epochs"] or cfg["net"] == "fastnet", "block-epochs needs net fastnet")
+    need(len(cfg["block_epochs"]) <= (len(cfg["widths"]) or 3),
+         f"block-epochs lists {len(cfg['block_epochs'])} blocks; the net has {len(cfg['widths']) or 3}")
     need(cfg["block_depth"] in (2, 3) and (cfg["block_depth"] == 2 or cfg["net"] == "fastnet"),
          "block-depth must be 2 or 3 (3 needs net fastnet)")
     need(0 <= cfg["bn_momentum"] <= 1 and (cfg["bn_momentum"] == COMMON["bn_momentum"] or cfg["net"] == "fastnet"),
@@ -603,14 +612,14 @@ def left_as_it_was(model):
 def warm_up_compile(cfg, model, device, precision, world, opt=None):
     """Compiles the training step (forward and backward, and a compiled optimizer's update) on the run's own net
     before its timed steps, then puts the net back as it was (weights, BN statistics, no gradients; the optimizer
-    has not stepped). Covers both states of the whitening bias (trained in the first whiten_bias_epochs, then
-    frozen): a change of requires_grad means another graph (and, under torchrun, another DDP wrapper). A later
-    run finds most of the work in torch.compile's caches."""
+    has not stepped). Covers each state of what trains that the run's epochs take (trains_in: the whitening bias
+    and blocks frozen after their epochs): a change of requires_grad means another graph (and, under torchrun,
+    another DDP wrapper). A later run finds most of the work in torch.compile's caches."""
     batches = warm_up_batches(cfg["batch_size"] // world, set(cfg["train_sizes"]) | {IMAGE_SIZE}, precision, device)
-    whiten_states = [True, False] if cfg["whiten_bias_epochs"] else [None]
+    states = dict.fromkeys(trains_in(cfg, e) for e in range(1, math.ceil(cfg["epochs"]) + 1))
     with left_as_it_was(model):
-        for trains in whiten_states:
-            with whiten_bias_as(model, trains):
+        for trains in states:
+            with trains_as(model, trains):
                 step_fn = make_step_fn(cfg, model, world)  # after the change: DDP wraps the parameters that train
                 for x, y in batches:
                     # CUDA graphs are recorded at a graph's second or third call, not its first
@@ -662,20 +671,31 @@ def train_size(cfg, epoch):
     return int(sizes[min(epoch, len(sizes)) - 1]) if sizes else IMAGE_SIZE
 
 
-def whiten_bias_trains(cfg, epoch):
-    """Whether fastnet's whitening bias trains in this epoch (1-based): only in the first whiten_bias_epochs. None
-    where the option is 0 (the bias always trains, as built)."""
-    return epoch <= cfg["whiten_bias_epochs"] if cfg["whiten_bias_epochs"] else None
+def trains_in(cfg, epoch):
+    """What trains in this epoch (1-based) of the parts a run may freeze (freezable_parts): fastnet's whitening
+    bias in its first whiten_bias_epochs, block i in its first block_epochs[i]. Each True or False, or None where
+    the part is never frozen (it trains, as built)."""
+    return tuple(epoch <= limit if limit else None for limit in (cfg["whiten_bias_epochs"], *cfg["block_epochs"]))
 
 
-def set_whiten_bias_trains(model, trains):
-    """Freezes or unfreezes the whitening bias (None: as it is); True where that changed requires_grad. A frozen
-    bias also spares the step the first block's input gradient, which only the bias needs."""
+def freezable_parts(model):
+    """The parameters each of trains_in's flags applies to, in its order: the whitening bias, then each of
+    fastnet's blocks (what trains in it as built: conv filters and BN biases)."""
     bias = whiten_bias(model)
-    if trains is None or bias is None or bias.requires_grad == trains:
-        return False
-    bias.requires_grad_(trains)
-    return True
+    blocks = [model.block_parameters(i) for i in range(model.num_blocks)] if hasattr(model, "num_blocks") else []
+    return [[bias] if bias is not None else [], *blocks]
+
+
+def set_trains(model, trains):
+    """Freezes or unfreezes each part as trains says (None: as it is); True where that changed requires_grad. A
+    frozen part also spares the step the input gradients only it needed: a frozen whitening bias the first
+    block's, a frozen first block (and bias) its own backward and the second block's input gradient."""
+    changed = False
+    for flag, params in zip(trains, freezable_parts(model)):
+        for p in params if flag is not None else ():
+            changed |= p.requires_grad != flag
+            p.requires_grad_(flag)
+    return changed
 
 
 def whiten_bias(model):
@@ -684,22 +704,21 @@ def whiten_bias(model):
 
 
 @contextlib.contextmanager
-def whiten_bias_as(model, trains):
-    """The whitening bias trained or frozen (None: as it is) inside the block, and as it was after."""
-    was = whiten_bias(model).requires_grad if whiten_bias(model) is not None else None
-    set_whiten_bias_trains(model, trains)
+def trains_as(model, trains):
+    """The parts frozen or trained as trains says (set_trains) inside the block, and as they were after."""
+    was = tuple(params[0].requires_grad if params else None for params in freezable_parts(model))
+    set_trains(model, trains)
     try:
         yield
     finally:
-        set_whiten_bias_trains(model, was)
+        set_trains(model, was)
 
 
 def step_kinds(cfg, n_train):
-    """(image side, whether the whitening bias trains) at every step of a run: together they decide what a step
-    computes."""
+    """(image side, what trains: trains_in) at every step of a run: together they decide what a step computes."""
     per_epoch = steps_per_epoch(cfg, n_train)
     epochs = (s // per_epoch + 1 for s in range(run_steps(cfg, n_train)))
-    return [(train_size(cfg, e), whiten_bias_trains(cfg, e)) for e in epochs]
+    return [(train_size(cfg, e), trains_in(cfg, e)) for e in epochs]
 
 
 def set_lr(opt, lr):
@@ -710,10 +729,12 @@ def set_lr(opt, lr):
 
 def proxy_config(cfg):
     """The proxy that scores candidates for data selection: a small depth-2 fastnet on the run's own recipe (LR
-    schedule, decay, label smoothing, compilation), without selection, lookahead, EMA or ghost BN of its own."""
+    schedule, decay, label smoothing, compilation), without selection, lookahead, EMA, ghost BN or freezing of its
+    own."""
+    # compile_mode default: CUDA graphs for the run's net only, as the two would share their memory pool
     return dict(cfg, net="fastnet", widths=tuple(cfg["proxy_widths"]), block_depth=2, whiten_bias_epochs=0,
-                select_fraction=1.0, lookahead_start_epoch=-1, ema_every=0, bn_group_size=0, echo="none",
-                compile_mode="default")  # CUDA graphs for the run's net only: the two would share their memory pool
+                block_epochs=(), select_fraction=1.0, lookahead_start_epoch=-1, ema_every=0, bn_group_size=0,
+                echo="none", compile_mode="default")
 
 
 class Proxy:
@@ -813,14 +834,14 @@ def run_flops_parts(cfg, model, opt, device, precision, n_train, steps_done=None
     the proxy's scoring of the candidates (a forward pass each step) and its training (a backward pass through
     those candidates and its update, every proxy_every-th step), their total, and the last step's (net, scoring
     and both: last_step). Each kind of step is counted once: each image size of progressive resizing, with the
-    whitening bias trained or frozen as the run has it then (a frozen one needs no input gradient of the first
-    block: 4% of a fast94 step)."""
+    whitening bias and blocks trained or frozen as the run has them then (a frozen bias needs no input gradient of
+    the first block: 4% of a fast94 step)."""
     kinds = step_kinds(cfg, n_train)
     proxy = Proxy(cfg, None, None, device, precision) if uses_proxy(cfg) else None
     per_kind, scoring, proxy_training = {}, {}, {}
-    for size, bias_trains in set(kinds):
-        with whiten_bias_as(model, bias_trains):
-            per_kind[size, bias_trains] = step_flops(model, opt, device, precision, cfg["batch_size"], size)
+    for size, trains in set(kinds):
+        with trains_as(model, trains):
+            per_kind[size, trains] = step_flops(model, opt, device, precision, cfg["batch_size"], size)
     for size in {side for side, _ in kinds} if proxy is not None else ():
         x = torch.randn(candidate_batch_size(cfg), 3, size, size, device=device)
         x = x.to(memory_format=torch.channels_last)
@@ -990,7 +1011,7 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
             log(f"{checkpoint} holds this run's result already: nothing trained")
             return dict(result, trained_nothing=True)
     for epoch in range(start_epoch, math.ceil(total_steps / per_epoch) + 1):
-        if set_whiten_bias_trains(model, whiten_bias_trains(cfg, epoch)) and world > 1:
+        if set_trains(model, trains_in(cfg, epoch)) and world > 1:
             step_fn = make_step_fn(cfg, model, world)  # DDP fixes the parameters it reduces when built: again
         size = train_size(cfg, epoch)
         loss_sum = torch.zeros((), device=device)
@@ -1550,6 +1571,7 @@ OPTION_HELP = dict(
     bn_momentum="fastnet: BatchNorm momentum in PyTorch's convention (the weight of the new batch)",
     bn_group_size="ghost batch norm: normalise each group of this many images on its own (0: the whole batch)",
     whiten_bias_epochs="fastnet: train the whitening conv's bias for the first this many epochs only (0: always)",
+    block_epochs="fastnet: train block i for its first this many epochs only, then freeze it (0: always)",
     whiten_bias_fast="fastnet: the whitening bias trains with the BN biases at bias-lr-scale (else at the plain LR)",
     # Optimisation
     epochs="epochs of training (may be fractional); the preset's lr-knots stretch with it unless --lr-knots is given",

@@ -23,7 +23,14 @@ import torch_backend as tb  # noqa: E402
 import train_cifar  # noqa: E402
 
 N_TRAIN = 50000
-WHITEN_BIAS_STATE = {None: "", True: " with the whitening bias trained", False: " with the whitening bias frozen"}
+
+
+def kind_name(side, trains):
+    """A kind of step by its image side and what trains (train_cifar.trains_in), as the logs key its time: "24
+    with the whitening bias frozen, block 1 frozen"; the parts never frozen go unnamed."""
+    parts = ["the whitening bias"] + [f"block {i}" for i in range(1, len(trains))]
+    said = [f"{part} {'trained' if flag else 'frozen'}" for part, flag in zip(parts, trains) if flag is not None]
+    return f"{side} with {', '.join(said)}" if said else f"{side}"
 
 
 def time_steps(step, sync, steps, repeats, warm_up):
@@ -87,15 +94,14 @@ def measure(preset, device, steps, repeats, compile=False, overrides=None, break
             train_cifar.record_losses(history, idx, out, y, cfg["label_smoothing"], 1)
         losses.append(loss.detach())
 
-    # Each kind of step the run takes (image size of progressive resizing, whitening bias trained or frozen) is
-    # timed on its own and weighted by the run's steps of that kind.
+    # Each kind of step the run takes (image size of progressive resizing, the whitening bias and blocks trained
+    # or frozen) is timed on its own and weighted by the run's steps of that kind.
     kinds = train_cifar.step_kinds(cfg, N_TRAIN)
     seconds = {}
-    for side, bias_trains in sorted(set(kinds)):
-        train_cifar.set_whiten_bias_trains(model, bias_trains)
-        seconds[side, bias_trains] = time_steps(lambda i: step(i, side), sync, steps, repeats,
-                                                warm_up=3 if compile else 2)
-    train_cifar.set_whiten_bias_trains(model, kinds[-1][1])  # as the run ends, for the breakdown
+    for side, trains in sorted(set(kinds), key=str):  # by side (then by what trains), not in the run's order
+        train_cifar.set_trains(model, trains)
+        seconds[side, trains] = time_steps(lambda i: step(i, side), sync, steps, repeats, warm_up=3 if compile else 2)
+    train_cifar.set_trains(model, kinds[-1][1])  # as the run ends, for the breakdown
     est_time = sum(seconds[kind][0] for kind in kinds)
     est_std = sum(seconds[kind][1] for kind in kinds)  # the kinds' errors added, not in quadrature: an upper bound
     per_step = (est_time / run_steps, est_std / run_steps)
@@ -104,8 +110,7 @@ def measure(preset, device, steps, repeats, compile=False, overrides=None, break
                 img_per_s=(bs / per_step[0], bs * per_step[1] / per_step[0] ** 2),
                 tflop_per_s=(flops_run / est_time / 1e12, flops_run * est_std / est_time ** 2 / 1e12),
                 est_train_time_s=est_time, losses_finite=bool(torch.stack(losses).isfinite().all()),
-                seconds_per_step_by_size={f"{side}{WHITEN_BIAS_STATE[trains]}": t
-                                          for (side, trains), t in seconds.items()})
+                seconds_per_step_by_size={kind_name(*kind): t for kind, t in seconds.items()})
     if breakdown:  # each part of a full-size step alone, synchronised: what the step's time is made of
         side = kinds[-1][0]
         x, y, _ = batch(0, drawn, side)

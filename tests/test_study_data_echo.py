@@ -46,9 +46,9 @@ def test_a_run_recorded_twice_counts_once(tmp_path, capsys):
 
 def test_fresh_budget_stretches_everything_counted_in_epochs():
     out = study.stretch("fast94-sgd", dict(epochs=6, lr_knots=(0, 1, 6), lr_values=(0.3, 1.5, 0.1),
-                                       whiten_bias_epochs=1, lookahead_start_epoch=1), 2)
+                                       whiten_bias_epochs=1, lookahead_start_epoch=1, block_epochs=(3, 0, 5)), 2)
     assert out["epochs"] == 12 and out["lr_knots"] == (0, 2, 12) and out["lr_values"] == (0.3, 1.5, 0.1)
-    assert out["whiten_bias_epochs"] == 2 and out["lookahead_start_epoch"] == 2
+    assert out["whiten_bias_epochs"] == 2 and out["lookahead_start_epoch"] == 2 and out["block_epochs"] == (6, 0, 10)
     assert study.stretch("fast94-sgd", dict(lookahead_start_epoch=-1), 3)["lookahead_start_epoch"] == -1
 
 

@@ -1557,10 +1557,11 @@ def test_every_tuple_option_comes_from_the_command_line_as_a_tuple():
     """argparse gives lists; the configs hold tuples (as presets and --from-log have them). Converted for every
     such option, not for a list of names each new one had to join (--proxy-widths had not)."""
     given = dict(lr_knots=("0", "2"), lr_values=("1", "0"), widths=("8", "16", "16"), train_sizes=("24", "32"),
-                 proxy_widths=("4", "8", "8"), color_jitter=("0.1", "0.1"))
+                 proxy_widths=("4", "8", "8"), color_jitter=("0.1", "0.1"), block_epochs=("8", "9"))
     configs = [train_cifar.COMMON, *train_cifar.PRESETS.values()]
     assert set(given) == {k for c in configs for k, v in c.items() if isinstance(v, tuple)}  # (a new one: add it)
     argv = ["--select-fraction", "0.5"] + [a for k, v in given.items() for a in ("--" + k.replace("_", "-"), *v)]
     _, overrides, _ = train_cifar.run_options(train_cifar.parse_args(argv)[1])
     assert {k: type(overrides[k]) for k in given} == {k: tuple for k in given}
     assert overrides["proxy_widths"] == (4, 8, 8) and overrides["color_jitter"] == (0.1, 0.1)
+    assert overrides["block_epochs"] == (8, 9)
