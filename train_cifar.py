@@ -78,7 +78,8 @@ COMMON = dict(
     whiten_bias_fast=True,
     # fastnet: block i trains in its first block_epochs[i] epochs only, then is frozen (0, or a block past the
     # list: always trained). A frozen first block spares the step its own backward and the second block's input
-    # gradient (18% of a fast94 step; FreezeOut, Brock et al. 2017, freezes layers early to late likewise)
+    # gradient (18% of a fast94 step; FreezeOut, Brock et al. 2017, freezes layers early to late likewise).
+    # Frozen: no gradient step; lookahead, where on, still pulls it to its average (as the whitening bias)
     block_epochs=(),
     # Data selection: each step draws batch_size / select_fraction candidates and trains on the batch_size of them
     # with the highest loss under a proxy, a small fastnet trained alongside (as airbench96): it scores every
