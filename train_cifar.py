@@ -161,6 +161,10 @@ PRESETS = {
     # -115504-32494), -0.14 ± 0.05 per seed; 94.00 ± 0.14% over n=15 with seeds 10-14 (-20261204-172221-6033);
     # 94.03 ± 0.15% over n=25 with seeds 15-24 (-185935-11561): the 0.25 PF stretch, met by one standard error;
     # 20, 20, 24 x4, 28, 28, 32, 32 px (0.224 PF): 93.62% (seed 0, logs/fast94-20261202-062030-13630).
+    # Blocks 1 and 2 frozen for the last 2 and 1 epochs (--block-epochs 8 9, 0.232 PF, 11% faster on the Zen 5):
+    # 93.93 ± 0.07% (n=5, logs/fast94-20261206-012008-29447), -0.13 ± 0.06 per seed against today's seeds 0-4.
+    # Block 1 alone frozen for the last 2 (--block-epochs 8, 0.244 PF, 6% faster): 93.99 ± 0.06% (n=5,
+    # logs/fast94-20261206-015326-30869), -0.07 ± 0.06 per seed. Neither beats the 0.241 PF form: not adopted.
     # Data selection (the 2,000 of 2,857 candidates a 32/64/64 proxy finds hardest, 0.197 PF): 93.97 ± 0.13%
     # (logs/fast94-20261202-083239-23290), 383 ± 14 s, -0.13 ± 0.06 per seed; with an 11th epoch (0.224 PF) the
     # same 93.97 ± 0.15% (logs/fast94-20261202-092212-24306); scored by the net's own last loss instead (0.180 PF)
