@@ -161,9 +161,9 @@ PRESETS = {
     # -115504-32494), -0.14 ± 0.05 per seed; 94.00 ± 0.14% over n=15 with seeds 10-14 (-20261204-172221-6033);
     # 94.03 ± 0.15% over n=25 with seeds 15-24 (-185935-11561): the 0.25 PF stretch, met by one standard error;
     # 20, 20, 24 x4, 28, 28, 32, 32 px (0.224 PF): 93.62% (seed 0, logs/fast94-20261202-062030-13630).
-    # Blocks 1 and 2 frozen for the last 2 and 1 epochs (--block-epochs 8 9, 0.232 PF, 11% faster on the Zen 5):
+    # Blocks 1 and 2 frozen for the last 2 and 1 epochs (--block-epochs 8 9, 0.232 PF, 11% less time on the Zen 5):
     # 93.93 ± 0.07% (n=5, logs/fast94-20261206-012008-29447), -0.13 ± 0.06 per seed against today's seeds 0-4.
-    # Block 1 alone frozen for the last 2 (--block-epochs 8, 0.244 PF, 6% faster): 93.99 ± 0.06% (n=5,
+    # Block 1 alone frozen for the last 2 (--block-epochs 8, 0.244 PF, 6% less time): 93.99 ± 0.06% (n=5,
     # logs/fast94-20261206-015326-30869), -0.07 ± 0.06 per seed. Neither beats the 0.241 PF form: not adopted.
     # Data selection (the 2,000 of 2,857 candidates a 32/64/64 proxy finds hardest, 0.197 PF): 93.97 ± 0.13%
     # (logs/fast94-20261202-083239-23290), 383 ± 14 s, -0.13 ± 0.06 per seed; with an 11th epoch (0.224 PF) the
@@ -324,8 +324,6 @@ def check_config(cfg):
     need(all(e >= 0 for e in cfg["block_epochs"]), f"block-epochs must be >= 0 (0: always trained), got "
          f"{' '.join(f'{e:g}' for e in cfg['block_epochs'])}")
     need(not cfg["block_epochs"] or cfg["net"] == "fastnet", "block-epochs needs net fastnet")
-    need(len(cfg["block_epochs"]) <= (len(cfg["widths"]) or 3),
-         f"block-epochs lists {len(cfg['block_epochs'])} blocks; the net has {len(cfg['widths']) or 3}")
     need(cfg["block_depth"] in (2, 3) and (cfg["block_depth"] == 2 or cfg["net"] == "fastnet"),
          "block-depth must be 2 or 3 (3 needs net fastnet)")
     need(0 <= cfg["bn_momentum"] <= 1 and (cfg["bn_momentum"] == COMMON["bn_momentum"] or cfg["net"] == "fastnet"),
@@ -335,6 +333,8 @@ def check_config(cfg):
     blocks = 3 if cfg["net"] == "fastnet" else 4
     need(not cfg["widths"] or (len(cfg["widths"]) == blocks and all(w == int(w) >= 1 for w in cfg["widths"])),
          f"widths: net {cfg['net']} takes {blocks} channel counts, each at least 1, got {tuple(cfg['widths'])}")
+    need(len(cfg["block_epochs"]) <= blocks,
+         f"block-epochs lists {len(cfg['block_epochs'])} blocks; the net has {blocks}")
     need(not uses_proxy(cfg) or (cfg["proxy_every"] >= 1 and len(cfg["proxy_widths"]) == 3
                                  and all(w == int(w) >= 1 for w in cfg["proxy_widths"])),
          "select-fraction below 1 needs a proxy: proxy-every >= 1 and three proxy-widths, each at least 1")
@@ -1654,7 +1654,7 @@ def parse_args(argv):
         if isinstance(example, bool):
             kind = dict(type=str2bool, metavar="BOOL")
         elif isinstance(example, (tuple, list)):
-            kind = dict(type=int if k.endswith(("widths", "sizes")) else float, nargs="+")
+            kind = dict(type=int if k.endswith(("widths", "sizes", "epochs")) else float, nargs="+")
         elif k == "epochs" or isinstance(example, float):
             kind = dict(type=float)
         else:
