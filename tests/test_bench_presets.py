@@ -124,22 +124,29 @@ def test_rates_are_the_runs_trained_images_and_flops_over_its_time_at_each_size(
     assert r["tflop_per_s"][1] / r["tflop_per_s"][0] == pytest.approx(spread / seconds)
 
 
-def test_each_kind_of_step_is_timed_with_the_whitening_bias_as_the_run_has_it(monkeypatch):
-    """fast94 freezes the whitening bias after whiten_bias_epochs; a frozen bias's step skips the first block's
-    input gradient, so it is timed apart. By hand: 200 images in batches of 25 are 8 steps an epoch; epoch 1 at 32 px
-    with the bias trained, epochs 2-3 at 24 px with it frozen (timed in the order 24 then 32, so the bias must be
-    put back as the run ends)."""
+def spy_on_timed_kinds(monkeypatch, read):
+    """A bench of 200 images (8 steps an epoch in batches of 25) that records read(net) as each kind of step is
+    timed; returns the nets built (the first is the bench's) and what was read."""
     monkeypatch.setattr(bench_presets, "N_TRAIN", 200)
-    built, states = [], []
+    built, seen = [], []
     build = bench_presets.train_cifar.build_model
     monkeypatch.setattr(bench_presets.train_cifar, "build_model",
                         lambda *a, **k: built.append(build(*a, **k)) or built[-1])
     timing = bench_presets.time_steps
 
     def spy(step, *a, **k):
-        states.append(built[0].whiten.bias.requires_grad)
+        seen.append(read(built[0]))
         return timing(step, *a, **k)
     monkeypatch.setattr(bench_presets, "time_steps", spy)
+    return built, seen
+
+
+def test_each_kind_of_step_is_timed_with_the_whitening_bias_as_the_run_has_it(monkeypatch):
+    """fast94 freezes the whitening bias after whiten_bias_epochs; a frozen bias's step skips the first block's
+    input gradient, so it is timed apart. By hand: 200 images in batches of 25 are 8 steps an epoch; epoch 1 at 32 px
+    with the bias trained, epochs 2-3 at 24 px with it frozen (timed in the order 24 then 32, so the bias must be
+    put back as the run ends)."""
+    built, states = spy_on_timed_kinds(monkeypatch, lambda net: net.whiten.bias.requires_grad)
     overrides = dict(widths=(8, 16, 16), batch_size=25, precision="fp32", epochs=3, lr_knots=(0, 3),
                      train_sizes=(32, 24), whiten_bias_epochs=1)
     r = bench_presets.measure("fast94", torch.device("cpu"), steps=1, repeats=2, overrides=overrides)
@@ -269,3 +276,21 @@ def test_the_benchmark_augments_as_the_run_would(monkeypatch, jitter):
     bench_presets.measure("fast94", torch.device("cpu"), steps=1, repeats=1,
                           overrides=dict(widths=(8, 16, 16), batch_size=64, precision="fp32", color_jitter=jitter))
     assert seen and all(s == any(jitter) for s in seen)
+
+
+def test_the_bench_names_and_times_each_kind_of_step_by_what_trains(monkeypatch):
+    """A run of 3 epochs at 32 px: epoch 1 trains everything, epoch 2 freezes the bias, epoch 3 block 1 too; each
+    kind is timed with those flags and weighted by its 8 steps."""
+    built, flags = spy_on_timed_kinds(monkeypatch, lambda net: (net.whiten.bias.requires_grad,
+                                                                net.block_parameters(0)[0].requires_grad))
+    overrides = dict(widths=(8, 16, 16), batch_size=25, precision="fp32", epochs=3, lr_knots=(0, 3),
+                     train_sizes=(), whiten_bias_epochs=1, block_epochs=(2,))
+    r = bench_presets.measure("fast94", torch.device("cpu"), steps=1, repeats=2, overrides=overrides)
+    at = r["seconds_per_step_by_size"]
+    assert set(at) == {"32 with the whitening bias trained, block 1 trained",
+                       "32 with the whitening bias frozen, block 1 trained",
+                       "32 with the whitening bias frozen, block 1 frozen"}
+    assert sorted(flags) == [(False, False), (False, True), (True, True)]
+    assert r["est_train_time_s"] == pytest.approx(8 * sum(t[0] for t in at.values()))
+    assert (built[0].whiten.bias.requires_grad, built[0].block_parameters(0)[0].requires_grad) == (False, False)
+    assert bench_presets.kind_name(24, (None,)) == "24"

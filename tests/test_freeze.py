@@ -1,18 +1,12 @@
 """Freezing fastnet's blocks after their epochs (block_epochs): what freezes, what a frozen step spares, and
-that the FLOP count, the compile warm-up and the bench follow it."""
-import os
+that the FLOP count and the compile warm-up follow it (the bench's timing of each kind: test_bench_presets)."""
 import re
-import sys
 
 import pytest
 import torch
 
 import train_cifar
-from conftest import ROOT
-
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import bench_presets  # noqa: E402
-from test_train import TINY_FAST, recorded_steps  # noqa: E402
+from test_train import TINY_FAST, recorded_steps
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -142,30 +136,3 @@ def test_the_compile_warm_up_visits_each_state_the_run_takes_and_puts_it_back(mo
     train_cifar.warm_up_compile(dict(cfg, batch_size=8), model, torch.device("cpu"), "fp32", world=1)
     assert states == [(True, True), (False, True), (False, False)]
     assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
-
-
-def test_the_bench_names_and_times_each_kind_of_step_by_what_trains(monkeypatch):
-    """A run of 3 epochs at 32 px: epoch 1 trains everything, epoch 2 freezes the bias, epoch 3 block 1 too; each
-    kind is timed with those flags and weighted by its 8 steps."""
-    monkeypatch.setattr(bench_presets, "N_TRAIN", 200)
-    built, flags = [], []
-    build = bench_presets.train_cifar.build_model
-    monkeypatch.setattr(bench_presets.train_cifar, "build_model",
-                        lambda *a, **k: built.append(build(*a, **k)) or built[-1])
-    timing = bench_presets.time_steps
-
-    def spy(step, *a, **k):
-        flags.append((built[0].whiten.bias.requires_grad, built[0].block_parameters(0)[0].requires_grad))
-        return timing(step, *a, **k)
-    monkeypatch.setattr(bench_presets, "time_steps", spy)
-    overrides = dict(widths=(8, 16, 16), batch_size=25, precision="fp32", epochs=3, lr_knots=(0, 3),
-                     train_sizes=(), whiten_bias_epochs=1, block_epochs=(2,))
-    r = bench_presets.measure("fast94", torch.device("cpu"), steps=1, repeats=2, overrides=overrides)
-    at = r["seconds_per_step_by_size"]
-    assert set(at) == {"32 with the whitening bias trained, block 1 trained",
-                       "32 with the whitening bias frozen, block 1 trained",
-                       "32 with the whitening bias frozen, block 1 frozen"}
-    assert sorted(flags) == [(False, False), (False, True), (True, True)]
-    assert r["est_train_time_s"] == pytest.approx(8 * sum(t[0] for t in at.values()))
-    assert (built[0].whiten.bias.requires_grad, built[0].block_parameters(0)[0].requires_grad) == (False, False)
-    assert bench_presets.kind_name(24, (None,)) == "24"
