@@ -64,6 +64,21 @@ def test_newton_schulz_is_muons_published_quintic():
     torch.testing.assert_close(torch.diagonal(tb.newton_schulz(torch.diag(s))), want, atol=1e-6, rtol=0)  # eps: 2e-7
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_newton_schulz_of_a_zero_update_is_zero(grouped):
+    """A filter whose update is all zeros (no loss flows through it) orthogonalises to zeros, not to 0/0's NaN,
+    and a Muon step on a zero gradient leaves the weight where it was."""
+    zeros = torch.zeros(4, 6)
+    out = tb.newton_schulz_grouped([zeros, zeros.T], 3) if grouped else [tb.newton_schulz(zeros, 3)]
+    assert all(torch.equal(o, torch.zeros_like(o)) for o in out)
+    w = torch.nn.Parameter(torch.randn(4, 2, 3, 3, generator=torch.Generator().manual_seed(0)))
+    w0 = w.detach().clone()
+    opt = tb.Muon([dict(params=[w], orthogonalize=True, norm="sqrt_out", ns_steps=3)], lr=0.1, momentum=0.6)
+    w.grad = torch.zeros_like(w)
+    opt.step()
+    torch.testing.assert_close(w.detach(), w0 * 2 / torch.linalg.vector_norm(w0))  # only held at sqrt(4)
+
+
 def muon_reference(w0, grads, lr, momentum, nesterov, weight_decay, norm, ns_steps):
     """float64 Muon on one conv weight over a sequence of gradients."""
     w, buf = w0.astype(np.float64).copy(), None

@@ -229,7 +229,8 @@ def test_global_max_pool_takes_each_maps_max_and_routes_its_gradient_there(side)
 
 @pytest.mark.parametrize("depth", [2, 3])
 def test_fastnet_block_convs_start_as_identity_maps(depth):
-    """Each block conv's first c_in filters are dirac kernels (output channel k copies input channel k)."""
+    """Each block conv's first c_in filters are dirac kernels (output channel k copies input channel k); the
+    filters beyond them keep PyTorch's random init (a widening conv would otherwise start with dead channels)."""
     torch.manual_seed(0)
     net = tb.FastNet((32, 48, 48), depth=depth)
     convs = [m for m in net.blocks.modules() if isinstance(m, torch.nn.Conv2d)]
@@ -240,6 +241,10 @@ def test_fastnet_block_convs_start_as_identity_maps(depth):
         for k in range(min(c_out, c_in)):
             want[k, k, 1, 1] = 1.0
         assert torch.equal(conv.weight.detach()[:min(c_out, c_in)], want)
+        for row in conv.weight.detach()[c_in:]:
+            bound = 1 / (c_in * 9) ** 0.5  # kaiming_uniform(a=sqrt(5))'s
+            assert row.abs().max() <= bound and row.std() > bound / 3
+    assert any(conv.weight.shape[0] > conv.weight.shape[1] for conv in convs)
 
 
 @pytest.mark.parametrize("momentum, depth", [(0.4, 2), (0.1, 3)])  # fast94's nets, fast96's

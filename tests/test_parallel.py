@@ -139,12 +139,27 @@ def bn_problem(seed=1):
     return x, upstream, 1 + 0.2 * torch.randn(3, generator=gen), 0.2 * torch.randn(3, generator=gen)
 
 
-def bn_layer(weight, bias, momentum=0.1):
-    bn = nn.BatchNorm2d(len(weight), momentum=momentum)
+def bn_layer(weight, bias, momentum=0.1, eps=1e-5):
+    bn = nn.BatchNorm2d(len(weight), momentum=momentum, eps=eps)
     with torch.no_grad():
         bn.weight.copy_(weight)
         bn.bias.copy_(bias)
     return bn
+
+
+BF16_EPS = 0.1  # large enough that leaving it out moves the output by 5%
+
+
+def bf16_bn_problem():
+    """bf16 channels-last activations as autocast feeds BN: channel means near 10 and spreads near 1, so that sums
+    and sums of squares kept in bf16 (8 bits of mantissa) would lose the variance; the upstream gradient has an
+    offset too, and is exact in bf16 as the gradient that reaches BN is. Weight and bias in fp32."""
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(WORLD * PER_RANK, 8, 6, 6, generator=gen) * (1 + 0.3 * torch.rand(8, 1, 1, generator=gen))
+         + 10 + torch.randn(8, 1, 1, generator=gen))
+    upstream = (torch.randn(x.shape, generator=gen) + 3).to(torch.bfloat16).float()  # (backward gets it in bf16)
+    x = x.to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    return x, upstream, 1 + 0.2 * torch.randn(8, generator=gen), 0.2 * torch.randn(8, generator=gen)
 
 
 def bn_step(bn, x, upstream):
@@ -252,6 +267,16 @@ def test_ghost_bn_without_affine_parameters_in_float64():
     assert_close(got, ghost_bn_reference(x, torch.ones(3), torch.zeros(3), 4))
 
 
+def test_ghost_bn_without_running_statistics_normalises_each_group_in_eval_mode_too():
+    """As nn.BatchNorm2d without running statistics uses the batch's in eval mode, ghost BN uses each group's."""
+    x, _, weight, bias = bn_problem()
+    ghost = parallel.GhostBatchNorm2d(3, group_size=2, track_running_stats=False).eval()
+    with torch.no_grad():
+        ghost.weight.copy_(weight)
+        ghost.bias.copy_(bias)
+    assert_close(ghost(x).double(), ghost_bn_reference(x, weight, bias, 2))
+
+
 def test_ghost_bn_needs_whole_groups():
     with pytest.raises(ValueError, match="divisible"):
         parallel.GhostBatchNorm2d(3, group_size=3)(torch.randn(8, 3, 2, 2))
@@ -270,10 +295,25 @@ def test_convert_bn_swaps_every_batch_norm_and_shares_its_state():
     new_bns = [m for m in converted.modules() if isinstance(m, nn.BatchNorm2d)]
     assert converted is model and all(type(m) is parallel.GhostBatchNorm2d for m in new_bns)
     for old, new in zip(old_bns, new_bns):
-        assert new.weight is old.weight and new.running_var is old.running_var
+        for name in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
+            assert getattr(new, name) is getattr(old, name), name
         assert (new.momentum, new.eps, new.training) == (old.momentum, old.eps, old.training)
     assert not new_bns[1].weight.requires_grad
     assert_close(model(x), before)
+
+
+def test_converted_bn_continues_a_cumulative_average():
+    """momentum=None averages every batch so far, counted in num_batches_tracked: a layer converted after two
+    steps (ghost groups of the whole batch) takes the third step's statistics at weight 1/3, as plain BN does."""
+    x, upstream, weight, bias = bn_problem()
+    plain, converted = bn_layer(weight, bias, momentum=None), bn_layer(weight, bias, momentum=None)
+    for step in range(2):
+        bn_step(plain, x + step, upstream), bn_step(converted, x + step, upstream)
+    converted = parallel.convert_bn(converted, group_size=len(x))
+    expected, got = bn_step(plain, 2 * x, upstream), bn_step(converted, 2 * x, upstream)
+    assert_close(got["running_mean"], expected["running_mean"])
+    assert_close(got["running_var"], expected["running_var"])
+    assert converted.num_batches_tracked.item() == 3
 
 
 def test_convert_sync_bn_keeps_each_layers_momentum_and_eps():
@@ -357,8 +397,17 @@ def rank_main(rank, directory):
         x, upstream, weight, bias = bn_problem()
         shard = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
         results = {}
+        x16, upstream16, weight16, bias16 = bf16_bn_problem()
         for name, group in [("bn_world", None), ("bn_pairs", parallel.bn_process_groups(WORLD, 2))]:
-            results[name] = bn_step(parallel.convert_sync_bn(bn_layer(weight, bias), group), x[shard], upstream[shard])
+            layer = parallel.convert_sync_bn(bn_layer(weight, bias), group)
+            results[name] = bn_step(layer, x[shard], upstream[shard])
+            layer16 = parallel.convert_sync_bn(bn_layer(weight16, bias16, eps=BF16_EPS), group)
+            results[name + "_bf16"] = bn_step(layer16, x16[shard], upstream16[shard])
+            if group is None:  # evaluation: the running statistics alone, which stay as they are
+                stats = (layer.running_mean.clone(), layer.running_var.clone())
+                y = layer.eval()(x[shard]).detach()
+                results["bn_eval"] = dict(y=y, stats=stats, count=layer.num_batches_tracked.item(),
+                                          stats_after=(layer.running_mean.clone(), layer.running_var.clone()))
         state = parallel.make_hierarchical_state(WORLD, 2)
         results["bucket_sizes"] = []
         results["ddp_flat"] = ddp_grads(rank, None, None)
@@ -439,6 +488,39 @@ def test_sync_bn_equals_bn_over_the_groups_batch(rank_results, key, group_size):
         for g in got:
             assert_close(g["running_mean"], expected["running_mean"])
             assert_close(g["running_var"], expected["running_var"])
+
+
+@pytest.mark.parametrize("key, group_size", [("bn_world_bf16", WORLD), ("bn_pairs_bf16", 2)])
+def test_sync_bn_in_bf16_channels_last_matches_the_float64_formula(rank_results, key, group_size):
+    """bf16 input keeps its dtype and layout out, and the statistics, eps and gradients are the float64 BN's over
+    the group's batch within bf16 rounding of the output and the input gradient."""
+    x, upstream, weight, bias = bf16_bn_problem()
+    for first in range(0, WORLD, group_size):
+        rows = slice(first * PER_RANK, (first + group_size) * PER_RANK)
+        expected = bn_step(bn_layer(weight, bias, eps=BF16_EPS).double(), x[rows].double(), upstream[rows].double())
+        got = [rank_results[rank][key] for rank in range(first, first + group_size)]
+        assert all(g["y"].dtype == g["dx"].dtype == torch.bfloat16 for g in got)
+        assert all(g["y"].is_contiguous(memory_format=torch.channels_last) for g in got)
+        assert_close(torch.cat([g["y"] for g in got]).double(), expected["y"], atol=0.02, rtol=0.01)
+        assert_close(torch.cat([g["dx"] for g in got]).double(), expected["dx"], atol=0.02, rtol=0.01)
+        assert_close(sum(g["dw"] for g in got).double(), expected["dw"], atol=0.05, rtol=1e-3)
+        assert_close(sum(g["db"] for g in got).double(), expected["db"], atol=1e-3, rtol=1e-4)
+        for g in got:
+            assert_close(g["running_mean"].double(), expected["running_mean"], atol=1e-4, rtol=1e-5)
+            assert_close(g["running_var"].double(), expected["running_var"], atol=1e-4, rtol=1e-5)
+
+
+def test_sync_bn_evaluates_with_its_running_statistics_alone(rank_results):
+    """In eval mode a synced layer is plain BN on the running statistics: no statistics of the test batch, no
+    all-reduce, and the running statistics and step count stay."""
+    x, _, weight, bias = bn_problem()
+    for rank, results in enumerate(rank_results):
+        got = results["bn_eval"]
+        mean, var = got["stats"]
+        shard = x[rank * PER_RANK:(rank + 1) * PER_RANK]
+        assert_close(got["y"], F.batch_norm(shard, mean, var, weight, bias, training=False, eps=1e-5))
+        assert all(torch.equal(a, b) for a, b in zip(got["stats_after"], got["stats"]))
+        assert got["count"] == 1
 
 
 def test_hierarchical_hook_equals_flat_allreduce_and_the_global_batch(rank_results):

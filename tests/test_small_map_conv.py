@@ -64,8 +64,9 @@ def test_conv2d_takes_the_matmul_only_on_small_maps_in_bf16(size, path):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert conv.small_map_mode(x) is None
     strided = tb.Conv2d(8, 8, 3, stride=2, padding=1, bias=False)
+    reflected = tb.Conv2d(8, 8, 3, padding=1, bias=False, padding_mode="reflect")  # the matmuls pad with zeros
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert strided.small_map_mode(x) is None
+        assert strided.small_map_mode(x) is None and reflected.small_map_mode(x) is None
 
 
 @pytest.mark.parametrize("size", [3, 8])
