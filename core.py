@@ -17,7 +17,8 @@ import time
 
 
 def piecewise_linear(knots, values):
-    """f(t) interpolating linearly between (knots[i], values[i]); constant outside the knots."""
+    """f(t) interpolating linearly between (knots[i], values[i]); constant outside the knots. A repeated knot is
+    a step, where f takes the value before it."""
     if len(knots) != len(values) or not knots:
         raise ValueError("piecewise_linear needs as many values as knots (at least one)")
     if any(b < a for a, b in zip(knots, knots[1:])):

@@ -447,9 +447,11 @@ def build_model(cfg, device, train_x_nhwc=None, generator=None):
 
 
 def make_optimizer(cfg, model):
-    """Two groups: biases (BN biases, and fastnet's whitening bias if whiten_bias_fast) take bias_lr_scale times
-    the LR and 1/bias_lr_scale times the weight decay, so their decay per step is the same as everything else's."""
-    fast = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim == 1 and "head" not in n
+    """Two groups: BN parameters that train (their biases; scales too where they train), and fastnet's whitening
+    bias if whiten_bias_fast, take bias_lr_scale times the LR and 1/bias_lr_scale times the weight decay, so their
+    decay per step is the same as everything else's. A classifier's bias stays with the weights."""
+    classifier = {id(p) for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters()}
+    fast = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim == 1 and id(p) not in classifier
             and (cfg["whiten_bias_fast"] or not n.startswith("whiten."))]
     fast_ids = {id(p) for p in fast}
     slow = [p for p in model.parameters() if p.requires_grad and id(p) not in fast_ids]

@@ -279,6 +279,11 @@ def test_impossible_values_in_a_log_exit_2_naming_the_file_and_field(real_log, t
     assert compare_runs.main([path]) == 0 and "n=1 (seeds 0)" in capsys.readouterr().out
 
 
+def test_accuracies_of_exactly_0_and_1_are_valid(real_log, tmp_path, capsys):
+    path = write_log(tmp_path, real_log, "edges", [(0, 0.0), (1, 1.0)])
+    assert compare_runs.main([path]) == 0 and "accuracy 50.00 ± 70.71%" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("key, before, other", [
     ("color_jitter", [0.0, 0.0], [0.14, 0.13]),
     ("tta_confidence", 0.0, 0.7),  # fast94's logs before selective TTA pooled with its later ones, silently

@@ -27,6 +27,9 @@ def test_piecewise_linear_matches_numpy_interp():
 def test_piecewise_linear_resnet9_schedule_and_bad_knots():
     f = core.piecewise_linear([0, 5, 24], [0, 0.4, 0])
     assert (f(0), f(2.5), f(5), f(14.5), f(24), f(30)) == pytest.approx((0, 0.2, 0.4, 0.2, 0, 0))
+    # a repeated knot is a step: at it, the value before the step (parallel.warmup_knots relies on that)
+    f = core.piecewise_linear([0, 5, 5, 10], [0, 1, 0.5, 0])
+    assert (f(4), f(5), f(5 + 1e-9), f(7.5)) == pytest.approx((0.8, 1, 0.5, 0.25))
     with pytest.raises(ValueError):
         core.piecewise_linear([0, 5, 3], [0, 1, 0])
     with pytest.raises(ValueError):

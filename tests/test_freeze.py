@@ -136,3 +136,8 @@ def test_the_compile_warm_up_visits_each_state_the_run_takes_and_puts_it_back(mo
     train_cifar.warm_up_compile(dict(cfg, batch_size=8), model, torch.device("cpu"), "fp32", world=1)
     assert states == [(True, True), (False, True), (False, False)]
     assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
+    # a state that only the last epoch takes (block 2 frozen in epoch 3 of 2.5, rounded up) is warmed up too
+    states.clear()
+    train_cifar.warm_up_compile(dict(cfg, batch_size=8, epochs=2.5, whiten_bias_epochs=0), model,
+                                torch.device("cpu"), "fp32", world=1)
+    assert states == [(True, True), (True, False)]

@@ -118,9 +118,10 @@ def test_run_flops_count_the_proxy_training_and_the_scoring():
     plain = dict(cfg, select_fraction=1.0)
     net = train_cifar.build_model(cfg, CPU)
     opt = train_cifar.make_optimizer(cfg, net)
-    per_step, steps, total = train_cifar.run_flops(cfg, net, opt, CPU, "fp32", 6400)
-    plain_step, plain_steps, plain_total = train_cifar.run_flops(plain, net, opt, CPU, "fp32", 6400)
-    assert steps == 3 * 6400 // 128 and plain_steps == 3 * 6400 // 64  # an epoch is a pass over the candidates
+    # 47 steps an epoch, 141 in all: the proxy trains at steps 0, 4, ..., 140, 36 of them (from step 1: 35)
+    per_step, steps, total = train_cifar.run_flops(cfg, net, opt, CPU, "fp32", 6016)
+    plain_step, plain_steps, plain_total = train_cifar.run_flops(plain, net, opt, CPU, "fp32", 6016)
+    assert steps == 3 * 6016 // 128 == 141 and plain_steps == 3 * 6016 // 64  # an epoch: a pass over the candidates
     proxy = tb.FastNet((4, 8, 8), bn_momentum=0.1)
     proxy.whiten.bias.requires_grad_(False)
     x = torch.randn(128, 3, 32, 32)

@@ -225,6 +225,66 @@ def test_make_config_refuses_values_of_the_wrong_kind(overrides, message):
     assert cfg["epochs"] == 9 and list(cfg["widths"]) == [8, 16, 16]
 
 
+@pytest.mark.parametrize("refused, message, accepted", [
+    # each check of check_config at its edge: the value just outside is refused, the edge itself accepted
+    (dict(ema_every=5, ema_decay=1.0), "ema-decay in [0, 1)", dict(ema_every=5, ema_decay=0.0)),
+    (dict(ema_every=-1), "ema-every >= 0", dict(ema_every=0)),
+    (dict(momentum=1.0), "momentum must be in [0, 1), got 1.0", dict(momentum=0.0)),
+    (dict(momentum=-0.1), "momentum must be in [0, 1)", dict(momentum=0.999)),
+    (dict(lr_values=(0.5, -1e-9)), "lr-values must be finite and >= 0", dict(lr_values=(0.5, 0.0))),
+    (dict(weight_decay=-1e-9), "weight decay must be >= 0", dict(weight_decay=0.0)),
+    (dict(bias_lr_scale=0.0), "bias-lr-scale > 0", dict(bias_lr_scale=1e-3)),
+    (dict(label_smoothing=-0.1), "label smoothing must be in [0, 1)", dict(label_smoothing=0.0)),
+    (dict(pad=17), "pad must be in 0..16", dict(pad=16)),
+    (dict(pad=-1), "pad must be in 0..16", dict(pad=0)),
+    (dict(cutout=33), "cutout in 0..32", dict(cutout=32)),
+    (dict(eval_every=-1), "eval-every must be >= 0", dict(eval_every=0)),
+    (dict(stop_after_epochs=-1), "stop-after-epochs must be >= 0", dict(stop_after_epochs=0)),
+    (dict(runs=0), "runs must be at least 1", dict(runs=1)),
+    (dict(flip="sometimes"), "flip must be none, random or alternate", dict(flip="none")),
+    (dict(tta=3), "tta must be 0 (none), 1 (mirror) or 2", dict(tta=1)),
+    (dict(tta_confidence=-0.01), "tta-confidence must be in [0, 1]", dict(tta_confidence=1.0)),
+    (dict(target=0.0), "target must be in (0, 1]", dict(target=1.0)),
+    (dict(lookahead_start_epoch=0, lookahead_pow=-1.0), "lookahead-pow >= 0",
+     dict(lookahead_start_epoch=0, lookahead_pow=0.0)),
+    (dict(lookahead_start_epoch=0, lookahead_decay=-0.1), "lookahead-decay in [0, 1]",
+     dict(lookahead_start_epoch=0, lookahead_decay=1.0)),
+    (dict(lookahead_sync="never"), "lookahead-sync must be epoch or end", dict(lookahead_sync="epoch")),
+    (dict(bn_momentum=1.5), "bn-momentum must be in [0, 1]", dict(bn_momentum=1.0)),
+    (dict(muon_lr_scale=0.0), "muon-lr-scale > 0", dict(muon_lr_scale=1e-3)),
+    (dict(muon_momentum=1.0), "muon-momentum in [0, 1)", dict(muon_momentum=0.0)),
+    (dict(muon_ns_steps=0), "muon-ns-steps >= 1", dict(muon_ns_steps=1)),
+    (dict(muon_norm="spectral"), "muon-norm must be one of", dict(muon_norm="none")),
+    (dict(optimizer="adam"), "optimizer must be sgd, lars or muon", dict(optimizer="lars")),
+    (dict(lr_scaling="cube"), "lr-scaling must be one of", dict(lr_scaling="sqrt")),
+    (dict(reference_batch_size=-1), "reference-batch-size > 0", dict(reference_batch_size=1)),
+    (dict(warmup_epochs=-1.0), "warmup-epochs >= 0", dict(warmup_epochs=0.0)),
+    # a warm-up must end before the schedule's last knot: at it, nothing of the schedule would be left
+    (dict(warmup_epochs=10.0), "warmup-epochs 10 must end before the schedule does", dict(warmup_epochs=9.5)),
+    (dict(bn_group_size=-1), "group sizes must be >= 0", dict(bn_group_size=0)),
+    (dict(sync_bn_group_size=-1), "group sizes must be >= 0", dict(sync_bn_group_size=0)),
+    (dict(allreduce="ring"), "allreduce must be flat or hierarchical", dict(allreduce="flat")),
+    (dict(echo="sometimes"), "echo must be one of", dict(echo="batch")),
+    (dict(echo="batch", echo_factor=0.99), "echo-factor >= 1", dict(echo="batch", echo_factor=1.0)),
+    (dict(echo_shuffle_buffer=-1), "echo-shuffle-buffer >= 0", dict(echo_shuffle_buffer=0)),
+    (dict(eval_every_steps=-1), "eval-every-steps must be >= 0", dict(eval_every_steps=0)),
+    (dict(pipeline="gpu"), "pipeline must be device or loader", dict(pipeline="loader")),
+    (dict(loader_workers=-1), "loader-workers >= 0", dict(loader_workers=0)),
+    (dict(select_by="random"), "select-by must be proxy or loss", dict(select_by="loss")),
+    (dict(net="vgg"), "unknown net 'vgg'", dict(net="fastnet")),
+    (dict(precision="fp8"), "precision must be auto, fp32, bf16 or fp16", dict(precision="bf16")),
+    (dict(compile_mode="fastest"), "compile-mode must be one of", dict(compile_mode="max-autotune")),
+    (dict(epochs=0.0), "epochs must be positive", dict(epochs=1e-3, lr_knots=(0, 1e-3))),
+    (dict(lr_knots=(), lr_values=()), "lr-knots and lr-values need the same length",
+     dict(lr_knots=(0,), lr_values=(0.5,))),
+])
+def test_each_config_check_refuses_past_its_edge_and_accepts_the_edge(refused, message, accepted):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        train_cifar.make_config("fast94", **refused)
+    cfg = train_cifar.make_config("fast94", **accepted)
+    assert all(cfg[k] == v for k, v in accepted.items())
+
+
 @pytest.mark.parametrize("preset", ["fast94", "fast96", "resnet9"])
 def test_help_shows_the_chosen_presets_values(preset):
     """--help gives each option's value in the preset named (fast94 when none is), as the command line takes it."""
@@ -303,6 +363,8 @@ def test_train_api_learns_and_logs_every_required_field(cifar10, tmp_path):
     ("fast96", dict(TINY, widths=(8, 16, 16), proxy_widths=(4, 8, 8))),
     # data selection by loss history: the per-example losses come back from the checkpoint
     ("fast94", dict(TINY, widths=(8, 16, 16), select_fraction=0.5, select_by="loss", train_sizes=())),
+    # lookahead's slow weights (every 3 steps, so epoch 1's checkpoint holds them) come back too
+    ("fast95", dict(TINY, widths=(8, 16, 16), lookahead_every=3)),
 ])
 def test_resumed_run_equals_uninterrupted_run(tmp_path, preset, options):
     data = synthetic(400, 100)
@@ -697,6 +759,18 @@ def test_optimizer_groups_keep_decay_per_step_equal():
     assert not any(p is model.whiten.weight for g in opt.param_groups for p in g["params"])  # frozen
 
 
+def test_a_classifiers_bias_takes_the_weights_lr_not_the_bn_biases():
+    """resnet18's linear head has a bias: with --bias-lr-scale it stays in the plain group, with the weights,
+    while every BN parameter that trains takes the scaled LR."""
+    cfg = train_cifar.make_config("resnet18", widths=(8, 8, 16, 16), bias_lr_scale=8.0)
+    model = train_cifar.build_model(cfg, torch.device("cpu"))
+    slow, fast = train_cifar.make_optimizer(cfg, model).param_groups
+    heads = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(heads) == 1 and heads[0].bias is not None and any(p is heads[0].bias for p in slow["params"])
+    bn = [p for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d) for p in m.parameters() if p.requires_grad]
+    assert len(fast["params"]) == len(bn) and all(any(p is q for q in bn) for p in fast["params"])
+
+
 def test_step_evaluations_stop_at_target_on_a_holdout():
     data = synthetic(400, 100)
     s = train_cifar.train("resnet9", data=data, log_dir=None, log=lambda *a: None, **dict(
@@ -770,6 +844,23 @@ def test_compiled_run_matches_the_eager_run(monkeypatch, preset, mode):
                                [r["train_loss"] for r in eager["epochs"]], rtol=1e-3)
     compile_s = float(next(m for m in said if m.startswith("compiled the training step")).split(" in ")[1].split()[0])
     assert compile_s >= 1000 and compiled["total_time_s"] < 1000
+
+
+def test_compiling_the_proxy_is_not_counted_in_the_runs_time(monkeypatch):
+    """Data selection's proxy compiles beside the net, outside the timer too: both warm-ups jump the clock by
+    1000 s (torch.compile left out: what counts is where the clock is read)."""
+    real_clock, jumped = time.perf_counter, [0.0]
+
+    def jump(*args, **kwargs):
+        jumped[0] += 1000.0
+    monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + jumped[0])
+    monkeypatch.setattr(train_cifar, "warm_up_compile", jump)
+    monkeypatch.setattr(train_cifar.Proxy, "warm_up", jump)
+    monkeypatch.setattr(torch, "compile", lambda fn=None, **kwargs: fn if fn is not None else (lambda f: f))
+    run = train_cifar.train("fast96", data=synthetic(256, 100), log=lambda *a: None, compile=True, log_dir=None,
+                            **dict(TINY, widths=(8, 16, 16), proxy_widths=(4, 8, 8), batch_size=32, epochs=1,
+                                   tta=0))["runs"][0]
+    assert jumped[0] == 2000 and run["total_time_s"] < 1000
 
 
 @pytest.mark.parametrize("preset", ["resnet18", "resnet9", "resnet9-tricks", "fast94"])
@@ -1384,14 +1475,16 @@ def test_an_epoch_is_its_whole_batches_and_fractional_epochs_round_the_steps_up(
     assert run["accuracy"] is not None and run["accuracy"] == run["epochs"][-1]["test_acc"]
 
 
-def evaluations_jumping_the_clock(monkeypatch, accuracies):
+def evaluations_jumping_the_clock(monkeypatch, accuracies, confidences=None):
     """evaluate replaced: each call moves the clock 1000 s and returns the next of accuracies (then 0.0); the
-    tta of each call is recorded in the returned list."""
+    tta of each call is recorded in the returned list, its tta_confidence in confidences if given."""
     real_clock, jumped, calls, accs = time.perf_counter, [0.0], [], iter(accuracies)
 
-    def evaluate(model, data, precision, device, tta, *args, **kwargs):
+    def evaluate(model, data, precision, device, tta, rank=0, world=1, tta_confidence=0.0, *args, **kwargs):
         jumped[0] += 1000.0
         calls.append(tta)
+        if confidences is not None:
+            confidences.append(tta_confidence)
         return next(accs, 0.0)
     monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + jumped[0])
     monkeypatch.setattr(train_cifar, "evaluate", evaluate)
@@ -1413,13 +1506,34 @@ def test_time_to_target_is_the_timed_clock_where_it_was_reached(monkeypatch, tin
     assert len(calls) == 7 and run["step_reached_target"] == 4
     assert run["time_to_target_s"] < 1000 and 1000 <= run["total_time_s"] < 2000
     assert run["time_to_target_s"] == run["evals"][1]["time"]
+    # reached at step 4 and again at epoch 1's end: the epoch is noted, the time and examples stay step 4's
+    evaluations_jumping_the_clock(monkeypatch, [0.0, 0.6, 0.6])
+    run = train_cifar.train("fast94", data=tiny, epochs=3, target=0.5, eval_every_steps=2, eval_every=1,
+                            **TINY_FAST)["runs"][0]
+    assert (run["step_reached_target"], run["epoch_reached_target"]) == (4, 1)
+    assert run["time_to_target_s"] == run["evals"][1]["time"] < run["epochs"][0]["total_time"]
+    assert run["fresh_to_target"] == run["evals"][1]["fresh"] == 4 * 50
+
+
+def test_epoch_time_is_the_epochs_training_alone(monkeypatch, tiny):
+    """Each evaluation takes 1000 s: an epoch's time excludes its evaluation (the untimed ones and the final
+    one), and the run's time is the epochs' times plus the final evaluation."""
+    evaluations_jumping_the_clock(monkeypatch, [0.25, 0.5, 0.75])
+    rows = train_cifar.train("fast94", data=tiny, epochs=3, **TINY_FAST)["runs"][0]["epochs"]
+    assert all(r["epoch_time"] < 1000 for r in rows)
+    assert [r["epoch_time"] for r in rows[1:-1]] == pytest.approx(
+        [b["total_time"] - a["total_time"] for a, b in zip(rows, rows[1:-1])], abs=1e-9)
+    assert 1000 <= rows[-1]["total_time"] - sum(r["epoch_time"] for r in rows) < 1001
 
 
 def test_eval_every_evaluates_every_nth_epoch_without_tta_and_the_last_with_it(monkeypatch, tiny):
-    """eval_every 2 over 5 epochs: plain evaluations after epochs 2 and 4, the final one (with TTA) after 5."""
-    calls = evaluations_jumping_the_clock(monkeypatch, [0.25, 0.5, 0.75])
-    run = train_cifar.train("fast94", data=tiny, epochs=5, eval_every=2, **dict(TINY_FAST, tta=2))["runs"][0]
-    assert calls == [0, 0, 2]
+    """eval_every 2 over 5 epochs: plain evaluations after epochs 2 and 4, the final one (with TTA, as selective as
+    the run asks) after 5."""
+    confidences = []
+    calls = evaluations_jumping_the_clock(monkeypatch, [0.25, 0.5, 0.75], confidences)
+    run = train_cifar.train("fast94", data=tiny, epochs=5, eval_every=2,
+                            **dict(TINY_FAST, tta=2, tta_confidence=0.7))["runs"][0]
+    assert calls == [0, 0, 2] and confidences[-1] == 0.7  # the final one: TTA for the images below p = 0.7
     assert [None if math.isnan(r["test_acc"]) else r["test_acc"] for r in run["epochs"]] == \
         [None, 0.25, None, 0.5, 0.75]
 
