@@ -294,3 +294,57 @@ def test_the_bench_names_and_times_each_kind_of_step_by_what_trains(monkeypatch)
     assert r["est_train_time_s"] == pytest.approx(8 * sum(t[0] for t in at.values()))
     assert (built[0].whiten.bias.requires_grad, built[0].block_parameters(0)[0].requires_grad) == (False, False)
     assert bench_presets.kind_name(24, (None,)) == "24"
+
+
+def test_the_proxy_trains_every_proxy_every_steps(monkeypatch):
+    """With data selection the proxy scores every step's candidates and trains on one step in proxy_every, as in a
+    run: of the timed steps' calls (warm-up included, which the count runs over), every 3rd trains it."""
+    import train_cifar
+    monkeypatch.setattr(bench_presets, "N_TRAIN", 300)
+    trained, select = [], train_cifar.Proxy.select
+
+    def spy(self, x, y, keep, lr, train):
+        trained.append(train)
+        return select(self, x, y, keep, lr, train)
+    monkeypatch.setattr(train_cifar.Proxy, "select", spy)
+    overrides = dict(widths=(8, 16, 16), proxy_widths=(4, 8, 8), batch_size=25, precision="fp32", epochs=1,
+                     train_sizes=(), proxy_every=3)
+    r = bench_presets.measure("fast96", torch.device("cpu"), steps=5, repeats=2, overrides=overrides)
+    assert len(r["seconds_per_step_by_size"]) == 1 and len(trained) == 2 + 5 * 2  # one kind: warm-up and timed
+    at = [i for i, t in enumerate(trained) if t]
+    assert len(at) == len(trained) // 3 and all(b - a == 3 for a, b in zip(at, at[1:]))
+
+
+def test_the_breakdown_times_a_full_size_step(monkeypatch):
+    """Steps at 24 then 32 px: the breakdown's parts and the host's timing are of steps at 32 px (a spy sees the side
+    each batch is resized to), and the full-size step time it reports is that of the 32 px kind of step."""
+    sides, resize = [], bench_presets.tb.resize_images
+    monkeypatch.setattr(bench_presets.tb, "resize_images", lambda x, side: sides.append(side) or resize(x, side))
+    _, resized = spy_on_timed_kinds(monkeypatch, lambda net: len(sides))  # resizes done as each timing starts
+    overrides = dict(widths=(8, 16, 16), batch_size=25, precision="fp32", epochs=2, lr_knots=(0, 2),
+                     train_sizes=(24, 32), whiten_bias_epochs=0)
+    r = bench_presets.measure("fast94", torch.device("cpu"), steps=1, repeats=2, breakdown=True, overrides=overrides)
+    at = r["seconds_per_step_by_size"]
+    assert set(at) == {"24", "32"} and len(resized) == 2 + 3  # each kind, then the breakdown's parts
+    assert set(sides[resized[0]:resized[1]]) == {24}  # the 24 px kind's timing
+    breakdown = sides[resized[2]:]
+    assert len(breakdown) >= 2 + 2 + 2 and set(breakdown) == {32}  # its batch part, then the host's steps
+    assert r["step_seconds_at_full_size"] == at["32"] != at["24"]
+
+
+@pytest.mark.parametrize("n_train", [199, 210, 50])
+def test_every_batch_lies_within_the_data(monkeypatch, n_train):
+    """A batch starts where it fits whole: with 199 or 210 images (not multiples of the 50 a step takes), over more
+    steps than fit in them, every index is of an image there, and a batch is 50 of them; with 50, each is all."""
+    monkeypatch.setattr(bench_presets, "N_TRAIN", n_train)
+    batches, real_augment = [], bench_presets.tb.augment
+
+    def augment(x, index, aug, **kwargs):
+        batches.append(index.tolist())
+        return real_augment(x, index, aug, **kwargs)
+    monkeypatch.setattr(bench_presets.tb, "augment", augment)
+    bench_presets.measure("fast94", torch.device("cpu"), steps=8, repeats=1,
+                          overrides=dict(widths=(8, 8, 8), batch_size=50, precision="fp32", epochs=1, train_sizes=()))
+    assert 50 * len(batches) > n_train  # the offsets wrap around
+    for idx in batches:
+        assert len(set(idx)) == 50 and all(0 <= i < n_train for i in idx)

@@ -473,3 +473,70 @@ def test_legends_name_the_loss_scale_only_between_fp16_runs(logged):
     for s in (older, newer):
         s["precision"] = "fp16"
     assert plot_runs.config_differences([older, newer]) == ['loss_scale="dynamic"', 'loss_scale="batch"']
+
+
+def test_a_log_without_flops_per_run_is_placed_at_its_steps_flops(logged):
+    """A log from before train_flops_per_run was logged: its point's FLOPs are its FLOPs per step x its steps."""
+    summary = core.read_run_log(logged[0])
+    older = json.loads(json.dumps(summary))
+    del older["train_flops_per_run"]
+    older.update(train_flops_per_step=3e12, train_steps=7)
+    (point,) = plot_runs.recipe_points([older])
+    assert point["pf"] == pytest.approx(3e12 * 7 / 1e15)
+
+
+def test_the_accuracy_axis_shows_the_target_above_every_run(logged, tmp_path, monkeypatch):
+    """Runs all above 95% and a 94% target: the axis must reach down to the target's line (1 point below it),
+    not start above it where the line would not be seen."""
+    summary = json.loads(open(logged[0]).read())
+    summary["config"]["target"] = 0.94
+    for run in summary["runs"]:
+        run["accuracy"] = 0.97
+        for row in run["epochs"]:
+            row["test_acc"] = 0.96
+    path = copy_log(summary, tmp_path / "high.json")
+    fig = drawn_figure(monkeypatch, lambda: plot_runs.main([path, "--out", str(tmp_path / "x.png")]))
+    assert target_lines(fig) == pytest.approx([94.0])
+    assert fig.axes[0].get_ylim() == pytest.approx((94 - 1, 100))
+
+
+def test_a_runs_label_gives_its_final_accuracy_in_percent(logged):
+    summary = core.read_run_log(logged[0])
+    edited = json.loads(json.dumps(summary))
+    edited["runs"][0]["accuracy"] = 0.4567
+    label = plot_runs.curves(edited)[0][0]
+    assert label == "resnet9 seed 0: 45.67%"
+
+
+def test_distinguishing_keys_take_the_key_that_tells_most_recipes_apart_first():
+    """z alone tells the three recipes apart; a and b (first in alphabetical order) each tell only two pairs
+    apart and are needed together: the greedy choice is z alone."""
+    recipes = [dict(preset="fast94", a=0, b=0, z=0), dict(preset="fast94", a=1, b=0, z=1),
+               dict(preset="fast94", a=0, b=1, z=2)]
+    assert plot_runs.distinguishing_keys(recipes) == ["z"]
+
+
+def test_runs_of_one_configuration_share_a_colour_and_differ_in_line_style(logged, tmp_path, monkeypatch):
+    """Two configurations (epochs 3 and 4), the first in two logs (a rerun of other seeds), and another preset's
+    log (no settings in its labels): every run of a configuration has its colour, another configuration another
+    colour; a log's runs differ in line style."""
+    from matplotlib.colors import to_hex
+    summary = core.read_run_log(logged[0])
+    rerun = json.loads(json.dumps(summary))
+    rerun["config"].update(seed=2)
+    rerun["runs"] = [dict(run, seed=2 + i) for i, run in enumerate(summary["runs"])]
+    longer = json.loads(json.dumps(summary))
+    longer["config"]["epochs"] = 4
+    tricks = dict(json.loads(json.dumps(summary)), preset="resnet9-tricks")
+    logs = [copy_log(s, tmp_path / f"log-{i}.json") for i, s in enumerate([summary, rerun, longer, tricks])]
+    fig = drawn_figure(monkeypatch, lambda: plot_runs.main(logs + ["--out", str(tmp_path / "runs.png")]))
+    for ax in fig.axes[:2]:
+        looks = {start: [(to_hex(line.get_color()), line.get_linestyle()) for line in ax.get_lines()
+                         if line.get_label().startswith(start)]
+                 for start in ("resnet9 [epochs=3] ", "resnet9 [epochs=4] ", "resnet9-tricks seed ")}
+        assert [len(look) for look in looks.values()] == [4, 2, 2]
+        colours = [{c for c, _ in look} for look in looks.values()]
+        assert [len(c) for c in colours] == [1, 1, 1] and len(set.union(*colours)) == 3
+        three, four, other = looks.values()
+        for log_runs in (three[:2], three[2:], four, other):
+            assert len({ls for _, ls in log_runs}) == 2

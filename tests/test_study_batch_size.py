@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import statistics
 
 import numpy as np
 import pytest
@@ -388,6 +389,14 @@ def test_the_warm_up_lasts_its_fraction_of_the_trials_budget():
         assert spec["train"]["lr_values"][:2] == pytest.approx((0.0, spec["params"]["lr"]))
 
 
+def test_a_schedule_without_warm_up_starts_at_the_peak_and_still_decays():
+    """warmup_frac 0: no warm-up knot, the LR starts at its peak and falls linearly to decay_to x the peak at the
+    budget's end, as with a warm-up."""
+    for lr, decay_to, budget in ((1.0, 0.1, 4.0), (2.5, 0.03, 7.5)):
+        knots, values = sbs.lr_knots(dict(lr=lr, warmup_frac=0.0, decay_to=decay_to), budget)
+        assert knots == [0.0, budget] and values == pytest.approx([lr, lr * decay_to])
+
+
 def test_trial_order_moves_trials_forward_without_changing_them():
     s = sbs.study_settings("cpu", "lars")
     plain = sbs.plan(s, [2048, 4096], 4, 45000)
@@ -531,6 +540,29 @@ def test_trials_with_other_settings_are_refused(study):
     assert "workload" not in str(e.value)
 
 
+def test_other_shards_trials_with_other_settings_are_refused(study):
+    """A shard's own file may be empty while another shard's holds trials of other settings: resuming there would
+    mix two studies in one folder (and skip their trials as done), so it is refused before any trial runs."""
+    settings, specs, path = study
+    other = dict(fake_trial(specs[0]), settings=dict(settings, target=0.7))
+    with pytest.raises(sbs.StudyError, match="other settings") as e:
+        sbs.run_study(specs, lambda s: pytest.fail("no trial may run"), path, settings, log=QUIET, others=[other])
+    assert "target 0.7 there, 0.65 here" in str(e.value)
+
+
+def test_a_folder_loads_as_the_settings_of_its_last_trial_and_only_their_trials(tmp_path):
+    """A folder holding trials of settings A, then of B (a study restarted elsewhere, its file copied in) is B's
+    curve: B's label and settings, B's trials alone (A's would mix two studies into one curve)."""
+    a, b = sbs.study_settings("cpu", "sgd"), sbs.study_settings("cpu", "momentum", target=0.7)
+    specs_a, specs_b = sbs.plan(a, [16, 32], 2, 45000), sbs.plan(b, [16, 64], 1, 45000)
+    for settings, specs in ((a, specs_a), (b, specs_b)):
+        for spec in specs:
+            core.append_jsonl(str(tmp_path / "trials.jsonl"), dict(fake_trial(spec), settings=settings))
+    label, settings, records = sbs.load_dir(str(tmp_path))
+    assert label == "cpu/momentum" and settings == b
+    assert [sbs.trial_key(r) for r in records] == [sbs.trial_key(s) for s in specs_b]
+
+
 def test_summary_regimes_and_plots_of_a_fake_study(study, tmp_path):
     settings, specs, path = study
     records = sbs.run_study(specs, fake_trial, path, settings, log=QUIET)
@@ -565,6 +597,40 @@ def test_the_plot_draws_the_ideal_line_and_the_evaluation_intervals_of_the_curve
     bars = [seg for c in ax.containers for coll in c.lines[2] for seg in coll.get_segments()]
     assert sorted((x0, y0, y1) for (x0, y0), (_, y1) in bars) == pytest.approx(
         [(64, 960, 1000), (128, 500, 520), (256, 290, 300), (512, 270, 280)])
+
+
+def drawn_axes(monkeypatch, tmp_path, curves):
+    """The axes of steps_to_target.png and best_lr.png as sbs.plot draws them for these curves."""
+    axes = []
+    monkeypatch.setattr(sbs, "_finish_log_log_plot", lambda fig, ax, bs, path: axes.append(ax) or path)
+    sbs.plot(curves, str(tmp_path))
+    return axes
+
+
+def test_an_error_bar_shorter_than_its_evaluation_interval_stops_at_step_1(tmp_path, monkeypatch):
+    """The target was met in (steps - interval, steps], and a trial takes at least 1 step: 5 steps evaluated every
+    10 reach down to step 1, not to -5 (or 0), which a log axis cannot show."""
+    recs = [momentum_record(b, 0, s, 1.0) for b, s in ((32, 40), (64, 5), (128, 3))]  # every 10 steps
+    assert {r["eval_every_steps"] for r in recs} == {10}
+    ax, _ = drawn_axes(monkeypatch, tmp_path, [("cpu/momentum", *sbs.summarise(recs))])
+    bars = [seg for c in ax.containers for coll in c.lines[2] for seg in coll.get_segments()]
+    assert sorted((x0, y0, y1) for (x0, y0), (_, y1) in bars) == pytest.approx(
+        [(32, 30, 40), (64, 1, 5), (128, 1, 3)])
+
+
+def test_the_lr_reference_lines_have_slopes_1_and_half_through_the_geometric_centre(tmp_path, monkeypatch):
+    """Linear and square-root scaling are lines of slope 1 and 0.5 on the log-log axes through the centroid of
+    the best (batch size, lr_eff) points, i.e. their geometric means."""
+    lrs = {64: 0.2, 128: 0.5, 256: 0.6, 1024: 3.0}
+    recs = [momentum_record(b, 0, 100, lr, window=(0.01, 100)) for b, lr in lrs.items()]
+    _, ax = drawn_axes(monkeypatch, tmp_path, [("cpu/momentum", *sbs.summarise(recs))])
+    b0, lr0 = statistics.geometric_mean(lrs.keys()), statistics.geometric_mean(lrs.values())
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    for name, slope in (("linear scaling (slope 1)", 1.0), ("square-root scaling (slope 0.5)", 0.5)):
+        x, y = np.asarray(lines[name].get_xdata(), float), np.asarray(lines[name].get_ydata(), float)
+        assert list(x) == sorted(lrs)
+        assert np.polyfit(np.log(x), np.log(y), 1)[0] == pytest.approx(slope)
+        assert list(y) == pytest.approx([lr0 * (b / b0) ** slope for b in x])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -867,6 +933,17 @@ def test_plot_labels_tell_curves_of_other_settings_apart(study, tmp_path, monkey
     monkeypatch.setattr(sbs, "plot", lambda curves, out: seen.extend(c[0] for c in curves) or [])
     sbs.main(["plot", *dirs, "--out", str(tmp_path / "plots")])
     assert seen == ["cpu/momentum target=0.65", "cpu/momentum target=0.7"]
+
+
+def test_plot_labels_stay_distinct_when_only_some_curves_differ_in_a_shown_key():
+    """Three curves of one label: a and b differ only in their data, c from a only in its target. Labelling by
+    the target alone would give a and b the same label "target=0.65": each is named by its folder instead."""
+    base = dict(sbs.study_settings("cpu", "sgd"), data=dict(train_x="1111"))
+    groups = [[["a"], "cpu/sgd", base, {}], [["b"], "cpu/sgd", dict(base, data=dict(train_x="2222")), {}],
+              [["c"], "cpu/sgd", dict(base, target=0.7), {}]]
+    sbs.distinguish(groups)
+    labels = [g[1] for g in groups]
+    assert len(set(labels)) == 3 and all(f"({name})" in label for name, label in zip("abc", labels))
 
 
 def test_a_resume_with_nothing_to_run_names_no_unwritten_file(tmp_path, capsys):

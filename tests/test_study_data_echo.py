@@ -5,9 +5,11 @@ import json
 import math
 import os
 import statistics
+import types
 
 import numpy as np
 import pytest
+import torch
 
 import core
 import study_data_echo as study
@@ -18,6 +20,12 @@ def test_plan_runs_the_baseline_once_per_seed():
     runs = study.plan(["batch", "example-after-aug"], [1, 2, 4], [0, 1])
     per_seed = [("none", 1.0), ("batch", 2.0), ("batch", 4.0), ("example-after-aug", 2.0), ("example-after-aug", 4.0)]
     assert runs == [(m, f, seed) for seed in (0, 1) for m, f in per_seed]  # every run of seed 0, then of seed 1
+
+
+def test_plan_keeps_every_factor_above_1_however_close():
+    """Only factor 1 is the baseline: an echo factor of 1.25 (or 1.5) is a run of its own."""
+    assert study.plan(["batch"], [1, 1.25, 1.5, 2], [0]) == [("none", 1.0, 0), ("batch", 1.25, 0), ("batch", 1.5, 0),
+                                                             ("batch", 2.0, 0)]
 
 
 def test_results_survive_a_line_cut_short(tmp_path, capsys):
@@ -45,11 +53,69 @@ def test_a_run_recorded_twice_counts_once(tmp_path, capsys):
 
 
 def test_fresh_budget_stretches_everything_counted_in_epochs():
-    out = study.stretch("fast94-sgd", dict(epochs=6, lr_knots=(0, 1, 6), lr_values=(0.3, 1.5, 0.1),
+    out = study.stretch("fast94-sgd", dict(epochs=6, lr_knots=(0, 1, 6), lr_values=(0.3, 1.5, 0.1), warmup_epochs=1,
                                        whiten_bias_epochs=1, lookahead_start_epoch=1, block_epochs=(3, 0, 5)), 2)
     assert out["epochs"] == 12 and out["lr_knots"] == (0, 2, 12) and out["lr_values"] == (0.3, 1.5, 0.1)
+    assert out["warmup_epochs"] == 2
     assert out["whiten_bias_epochs"] == 2 and out["lookahead_start_epoch"] == 2 and out["block_epochs"] == (6, 0, 10)
     assert study.stretch("fast94-sgd", dict(lookahead_start_epoch=-1), 3)["lookahead_start_epoch"] == -1
+
+
+def echo_args(budget, **overrides):
+    """The parsed options one_run and run_overrides read (a study's args, without parsing a command line)."""
+    return argparse.Namespace(workload="cpu", pipeline="device", target=None, loader_workers=None, budget=budget,
+                              echo_shuffle_buffer=0, settings={}, overrides=overrides)
+
+
+def test_a_fresh_budget_stretches_every_echo_factor_but_1():
+    """--budget fresh: factor e trains e times the workload's epochs (its LR knots and warm-up alike), factor 2
+    included; the baseline (factor 1) and every run of --budget steps keep the workload's schedule."""
+    w = study.WORKLOADS["cpu"]
+    epochs, knots = w["overrides"]["epochs"], w["overrides"]["lr_knots"]
+    for factor in (1.5, 2.0, 4.0):
+        o = study.run_overrides(echo_args("fresh", warmup_epochs=1), w, "batch", factor)
+        assert o["epochs"] == epochs * factor and o["lr_knots"] == tuple(k * factor for k in knots)
+        assert o["warmup_epochs"] == factor  # 1 epoch of warm-up, stretched alike
+    same = [study.run_overrides(echo_args("fresh", warmup_epochs=1), w, "none", 1.0),
+            study.run_overrides(echo_args("steps", warmup_epochs=1), w, "batch", 2.0)]
+    assert all((o["epochs"], o["lr_knots"], o["warmup_epochs"]) == (epochs, knots, 1) for o in same)
+
+
+def test_only_a_loader_with_worker_processes_overlaps_upstream_with_training():
+    """The overlapped bound min(e, R) needs upstream work in other processes: a loader without workers prepares
+    each batch in the training process, as the device pipeline does (one after the other)."""
+    assert study.overlapped(dict(pipeline="loader", loader_workers=2))
+    assert not study.overlapped(dict(pipeline="loader", loader_workers=0))
+    assert not study.overlapped(dict(pipeline="device", loader_workers=2))
+
+
+def test_r_is_upstream_time_over_training_time_after_their_warm_ups(monkeypatch):
+    """On a fake clock: the stream's first `warmup` batches (workers starting: 100 s each) and the first 2 steps
+    (100 s each) stay out of the timing; then a batch costs 30 ms and a step 20 ms, so R = 30 / 20 = 1.5."""
+    clock, batches, steps = [0.0], [], []
+
+    class Stream:
+        def __init__(self, data, cfg, gen, device):
+            pass
+
+        def next_batch(self):
+            batches.append(("x", len(batches)))
+            clock[0] += 100.0 if len(batches) <= 3 else 0.03
+            return batches[-1]
+
+    def train_step(cfg, model, opt, x, y, precision, device):
+        steps.append((x, y))
+        clock[0] += 100.0 if len(steps) <= 2 else 0.02
+    monkeypatch.setattr(study, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(study.pipeline, "BatchStream", Stream)
+    monkeypatch.setattr(study.train_cifar, "train_step", train_step)
+    overrides = dict(widths=(8, 16, 16), batch_size=50, epochs=1, precision="fp32")
+    r = study.measure_r("fast94-sgd", overrides, synthetic(n_train=200, n_test=50), torch.device("cpu"),
+                        batches=4, warmup=3, log=lambda m: None)
+    assert len(batches) == 3 + 4 and len(steps) == 2 + 4
+    assert set(steps) == {batches[-1]}  # every step trains on the last timed batch, ready
+    assert r["t_upstream_s"] == pytest.approx(0.03) and r["t_downstream_s"] == pytest.approx(0.02)
+    assert r["R"] == pytest.approx(0.03 / 0.02)
 
 
 def test_ideal_speedup_bounds():
@@ -115,6 +181,7 @@ def test_a_target_met_in_the_last_partial_epoch_counts_the_run_steps(monkeypatch
     total = math.ceil(2.5 * (200 // 50))
     assert r["reached"] and r["steps_to_target"] == total == 10
     assert r["epochs_to_target"] == pytest.approx(2.5) and r["examples_to_target"] == total * 50
+    assert r["epochs_run"] == len(run["epochs"]) == 3 and r["final_fresh"] == 500  # every epoch row, the last's
 
 
 def test_fresh_examples_to_target_are_those_read_when_the_target_was_met(monkeypatch):
@@ -407,6 +474,17 @@ def test_a_cell_where_no_run_reached_the_target_shows_dashes_not_nan():
     assert none[3:9] == ["1100", "±", "141", "11.0", "±", "1.4"] and none[-2:] == ["-", "-"]  # no R measured
 
 
+def test_a_cell_with_one_run_reached_shows_no_spread():
+    """One reached run (of two) has no spread: "± 0" would read as measured; its mean is that run's."""
+    records = [rec("none", 1.0, 0, 1000, 10.0), rec("none", 1.0, 1, 1200, 12.0),
+               rec("batch", 2.0, 0, 600, 8.0), rec("batch", 2.0, 1, 0, 0, reached=False)]
+    lines = []
+    study.print_summary(study.summarise(records, None, overlap=False), None, log=lines.append)
+    batch = next(line for line in lines if line.split()[0] == "batch")
+    assert "±" not in batch and "nan" not in batch
+    assert batch.split()[:5] == ["batch", "2", "1/2", "600", "8.0"]
+
+
 def test_a_resume_does_not_train_again_a_run_that_missed_the_target(tmp_path, capsys, monkeypatch):
     """A run that missed the target (or diverged) is a finished run of the study: training it again on resume would
     add a second run of its seed to the cell, and its n_reached would count it twice."""
@@ -448,3 +526,38 @@ def test_the_plot_draws_each_series_where_it_belongs(tmp_path, monkeypatch):
     assert list(batch.lines[0].get_ydata()) == pytest.approx([base, statistics.mean([600, 700]), 500])
     speedup = {line.get_label(): line for line in ax2.get_lines()}["batch"]
     assert list(speedup.get_ydata()) == pytest.approx([1, base_time / statistics.mean([8.0, 6.0]), base_time / 10])
+
+
+def plotted_axes(tmp_path, monkeypatch, records, r):
+    """The two axes study.plot draws for these records and R, read off the figure it closes."""
+    import matplotlib.pyplot as plt
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    study.plot(str(tmp_path), study.summarise(records, dict(R=r), overlap=True), "title")
+    return figures[-1].axes
+
+
+def test_the_fresh_examples_error_bars_span_one_std_of_fresh_examples(tmp_path, monkeypatch):
+    """Each point's bar is mean ± the std of its fresh examples to target (the steps to target here all equal,
+    so a bar of their std would have no length)."""
+    records = [rec("none", 1.0, 0, 1000, 10.0), rec("none", 1.0, 1, 1200, 12.0), rec("batch", 2.0, 0, 600, 8.0),
+               rec("batch", 2.0, 1, 700, 6.0), rec("batch", 2.0, 2, 900, 6.0)]
+    ax, _ = plotted_axes(tmp_path, monkeypatch, records, 3.0)
+    (batch,) = [c for c in ax.containers if c.get_label() == "batch"]
+    bars = sorted((x0, y0, y1) for coll in batch.lines[2] for (x0, y0), (_, y1) in coll.get_segments())
+    expected = []
+    for e, fresh in ((1, [1000, 1200]), (2, [600, 700, 900])):
+        m, sd = statistics.mean(fresh), statistics.stdev(fresh)
+        expected.append((e, m - sd, m + sd))
+    assert bars == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("r", [3.0, 0.5])
+def test_the_wall_clock_reference_is_min_e_r_but_never_below_1(tmp_path, monkeypatch, r):
+    """Echoing never slows the pipeline down: the reference is max(1, min(e, R)), flat at 1 when training is
+    the bottleneck (R < 1)."""
+    records = [rec("none", 1.0, 0, 1000, 10.0), rec("batch", 2.0, 0, 600, 8.0), rec("batch", 4.0, 0, 500, 6.0)]
+    _, ax2 = plotted_axes(tmp_path, monkeypatch, records, r)
+    (ref,) = [line for line in ax2.get_lines() if line.get_label() == "max(1, min(e, R))"]
+    assert list(ref.get_xdata()) == [1, 2, 4]
+    assert list(ref.get_ydata()) == pytest.approx([max(1.0, min(e, r)) for e in (1, 2, 4)])
