@@ -19,6 +19,16 @@ def fresh_compile_caches():
     torch._dynamo.reset()
 
 
+@pytest.fixture(autouse=True)
+def no_figures_left_open():
+    """Figures a test keeps open to inspect are closed after it: pyplot warns past 20 open figures, and a later
+    test that turns warnings into errors (to catch matplotlib's own) would fail on that one."""
+    yield
+    pyplot = sys.modules.get("matplotlib.pyplot")
+    if pyplot is not None:
+        pyplot.close("all")
+
+
 def real_data_path():
     return os.environ.get("CIFAR10_NPZ") or os.path.join(ROOT, "..", "shared", "data", "cifar10.npz")
 

@@ -215,11 +215,14 @@ def copy_log(summary, path, **changes):
 
 
 def drawn_figure(monkeypatch, draw):
-    """The figure draw() saves, kept from plt.close to be inspected."""
+    """The figure draw() saves, kept from plt.close to be inspected (closed after all: it stays readable, and open
+    figures would pile up across tests)."""
     import matplotlib.pyplot as plt
-    figures = []
+    figures, close = [], plt.close
     monkeypatch.setattr(plt, "close", figures.append)
     draw()
+    for fig in figures:
+        close(fig)
     return figures[-1]
 
 

@@ -582,29 +582,29 @@ def test_summary_regimes_and_plots_of_a_fake_study(study, tmp_path):
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def drawn_axes(monkeypatch, tmp_path, curves):
+    """The axes of steps_to_target.png and best_lr.png as sbs.plot draws them for these curves."""
+    import matplotlib.pyplot as plt
+    axes = []
+    monkeypatch.setattr(sbs, "_finish_log_log_plot", lambda fig, ax, bs, path: axes.append(ax) or path)
+    sbs.plot(curves, str(tmp_path))
+    for ax in axes:  # closed here instead (the axes stay readable): open figures pile up across tests
+        plt.close(ax.figure)
+    return axes
+
+
 def test_the_plot_draws_the_ideal_line_and_the_evaluation_intervals_of_the_curve(tmp_path, monkeypatch):
     """The dashed ideal line is s0 * b0 / b through the anchor, and each point's error bar reaches down one eval
     interval (the target was met within (steps - interval, steps]); both are read off the drawn figure."""
     recs = [dict(momentum_record(b, 0, s, 1.0), eval_every_steps=e)
             for b, s, e in ((32, None, 50), (64, 1000, 40), (128, 520, 20), (256, 300, 10), (512, 280, 10))]
-    axes = []
-    monkeypatch.setattr(sbs, "_finish_log_log_plot", lambda fig, ax, bs, path: axes.append(ax) or path)
-    sbs.plot([("cpu/momentum", *sbs.summarise(recs))], str(tmp_path))
-    ax = axes[0]
+    ax = drawn_axes(monkeypatch, tmp_path, [("cpu/momentum", *sbs.summarise(recs))])[0]
     ideal, = [line for line in ax.get_lines() if line.get_label() == "perfect scaling (ideal 1/b)"]
     assert list(ideal.get_xdata()) == [64, 128, 256, 512]
     assert list(ideal.get_ydata()) == pytest.approx([1000 * 64 / b for b in (64, 128, 256, 512)])
     bars = [seg for c in ax.containers for coll in c.lines[2] for seg in coll.get_segments()]
     assert sorted((x0, y0, y1) for (x0, y0), (_, y1) in bars) == pytest.approx(
         [(64, 960, 1000), (128, 500, 520), (256, 290, 300), (512, 270, 280)])
-
-
-def drawn_axes(monkeypatch, tmp_path, curves):
-    """The axes of steps_to_target.png and best_lr.png as sbs.plot draws them for these curves."""
-    axes = []
-    monkeypatch.setattr(sbs, "_finish_log_log_plot", lambda fig, ax, bs, path: axes.append(ax) or path)
-    sbs.plot(curves, str(tmp_path))
-    return axes
 
 
 def test_an_error_bar_shorter_than_its_evaluation_interval_stops_at_step_1(tmp_path, monkeypatch):

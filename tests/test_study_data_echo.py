@@ -506,16 +506,23 @@ def test_a_resume_does_not_train_again_a_run_that_missed_the_target(tmp_path, ca
     assert [(r["mode"], r["n"], r["n_reached"]) for r in rows] == [("none", 1, 1), ("batch", 1, 0)]
 
 
+def plotted_axes(tmp_path, monkeypatch, records, r):
+    """The two axes study.plot draws for these records and R, read off the figure it closes."""
+    import matplotlib.pyplot as plt
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", figures.append)
+    study.plot(str(tmp_path), study.summarise(records, dict(R=r), overlap=True), "title")
+    for fig in figures:  # closed after all (the axes stay readable): open figures pile up across tests
+        close(fig)
+    return figures[-1].axes
+
+
 def test_the_plot_draws_each_series_where_it_belongs(tmp_path, monkeypatch):
     """Fresh examples: the baseline mean over e (echoed worth fresh) and flat (worth nothing), each mode's means
     from the baseline on; wall-clock: each mode's baseline time / its time. Means by the statistics module."""
-    import matplotlib.pyplot as plt
     records = [rec("none", 1.0, 0, 1000, 10.0), rec("none", 1.0, 1, 1200, 12.0), rec("batch", 2.0, 0, 600, 8.0),
                rec("batch", 2.0, 1, 700, 6.0), rec("batch", 4.0, 0, 500, 10.0)]
-    figures = []
-    monkeypatch.setattr(plt, "close", figures.append)
-    study.plot(str(tmp_path), study.summarise(records, dict(R=3.0), overlap=True), "title")
-    ax, ax2 = figures[-1].axes
+    ax, ax2 = plotted_axes(tmp_path, monkeypatch, records, 3.0)
     lines = {line.get_label(): line for line in ax.get_lines()}
     base, base_time = statistics.mean([1000, 1200]), statistics.mean([10.0, 12.0])
     worth = lines["echoed data worth as much as fresh"]
@@ -526,15 +533,6 @@ def test_the_plot_draws_each_series_where_it_belongs(tmp_path, monkeypatch):
     assert list(batch.lines[0].get_ydata()) == pytest.approx([base, statistics.mean([600, 700]), 500])
     speedup = {line.get_label(): line for line in ax2.get_lines()}["batch"]
     assert list(speedup.get_ydata()) == pytest.approx([1, base_time / statistics.mean([8.0, 6.0]), base_time / 10])
-
-
-def plotted_axes(tmp_path, monkeypatch, records, r):
-    """The two axes study.plot draws for these records and R, read off the figure it closes."""
-    import matplotlib.pyplot as plt
-    figures = []
-    monkeypatch.setattr(plt, "close", figures.append)
-    study.plot(str(tmp_path), study.summarise(records, dict(R=r), overlap=True), "title")
-    return figures[-1].axes
 
 
 def test_the_fresh_examples_error_bars_span_one_std_of_fresh_examples(tmp_path, monkeypatch):
