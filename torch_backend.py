@@ -112,6 +112,8 @@ def train_subset(data, n, where):
     the study recorded n)."""
     if n > len(data["train_y"]):
         raise DataError(f"--train-subset {n} exceeds the {len(data['train_y'])} training images in {where}")
+    if n < 0:  # (a slice [:-5] would keep all but 5)
+        raise DataError(f"--train-subset must be >= 0 (0: all), got {n}")
     if not n:
         return data
     keep = np.random.default_rng(0).permutation(len(data["train_y"]))[:n]

@@ -128,3 +128,13 @@ def test_to_device_normalises_and_pads(tiny):
     for c in range(3):
         want[c] = (tiny["test_x"][0][:, :, c].astype(np.float64) / 255 - mean[c]) / std[c]
     np.testing.assert_allclose(d["test_x"][0].double().numpy(), want, rtol=0, atol=1e-5)
+
+
+def test_to_device_puts_every_array_on_the_device_test_images_channels_last(tiny):
+    """On the meta device (a stand-in for a GPU: nothing left on the host shows): the labels too; the train
+    images NHWC and contiguous in the run's dtype, the test images NCHW in channels_last memory, the nets' layout."""
+    d = tb.to_device(tiny, torch.device("meta"), torch.bfloat16, pad=2)
+    assert {k: v.device.type for k, v in d.items()} == dict.fromkeys(d, "meta")
+    assert d["train_x"].dtype == d["test_x"].dtype == torch.bfloat16 and d["train_y"].dtype == torch.int64
+    assert d["train_x"].shape == (200, 36, 36, 3) and d["train_x"].is_contiguous()
+    assert d["test_x"].shape == (50, 3, 32, 32) and d["test_x"].is_contiguous(memory_format=torch.channels_last)

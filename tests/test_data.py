@@ -84,6 +84,9 @@ def test_truncated_files_are_clear_errors(tmp_path, tiny):
     os.remove(tmp_path / "b" / "test_batch")
     with pytest.raises(tb.DataError, match="missing test_batch"):
         tb.load_cifar10(str(tmp_path / "b"), download=False)
+    os.remove(tmp_path / "b" / "data_batch_5")  # every one missing is named, not the first alone
+    with pytest.raises(tb.DataError, match="incomplete CIFAR-10 folder, missing data_batch_5, test_batch$"):
+        tb.load_cifar10(str(tmp_path / "b"), download=False)
 
 
 def test_damaged_compressed_tarballs_are_clear_one_line_errors(tmp_path, tiny):
@@ -113,6 +116,10 @@ def test_damaged_compressed_tarballs_are_clear_one_line_errors(tmp_path, tiny):
     (lambda d: d.update(train_y=d["train_y"].astype(np.float64)), "integer"),
     (lambda d: d.update(train_y=d["train_y"][:, None]), r"train_y has shape \(200, 1\)"),  # one label a row, 2-D
     (lambda d: d.update(test_y=d["test_y"] * 0), "test_y lacks"),  # a test set of one class scores nothing
+    (lambda d: d.update(train_y=np.where(d["train_y"] == 9, 0, d["train_y"])), "train_y lacks"),  # one class short
+    (lambda d: d.update(train_x=np.concatenate([d["train_x"], d["train_x"][..., :1]], -1)),
+     r"train_x has shape \(200, 32, 32, 4\)"),  # RGBA: not RGB
+    (lambda d: d.update(test_x=d["test_x"][:0], test_y=d["test_y"][:0]), "test_y must hold labels 0..9"),  # empty
 ])
 def test_malformed_arrays_are_rejected(tmp_path, tiny, change, message):
     change(tiny)
@@ -134,8 +141,9 @@ def test_labels_of_any_integer_type_are_loaded_as_int64(tmp_path, tiny):
 
 def test_missing_arrays_and_missing_path(tmp_path, tiny):
     np.savez(tmp_path / "partial.npz", train_x=tiny["train_x"], train_y=tiny["train_y"])
-    with pytest.raises(tb.DataError, match="missing arrays test_x, test_y"):
+    with pytest.raises(tb.DataError, match="missing arrays test_x, test_y") as e:
         tb.load_cifar10(str(tmp_path / "partial.npz"), download=False)
+    assert "corrupt" not in str(e.value)  # a whole file lacking arrays, not a damaged one
     with pytest.raises(tb.DataError, match=str(tmp_path / "nowhere") + ".*--data"):
         tb.load_cifar10(str(tmp_path / "nowhere"), download=False)
 
@@ -173,3 +181,98 @@ def test_dataset_fingerprint_is_per_row_sums_weighted_by_position(tiny):
     changed["test_x"][3, 0, 0, 0] ^= 1
     assert tb.dataset_fingerprint(swapped)["train_x"] != fp["train_x"]
     assert tb.dataset_fingerprint(changed)["test_x"] != fp["test_x"]
+
+
+def test_a_folder_holding_the_tarball_or_a_cifar10_npz_loads_it(tmp_path, tiny):
+    """Besides a batches folder, --data may name the folder a download or a copy left: the tarball in it, or
+    a cifar10.npz."""
+    write_batches(tmp_path / "src" / tb.BATCHES_DIR, tiny)
+    os.makedirs(tmp_path / "t")
+    with tarfile.open(tmp_path / "t" / tb.TARBALL, "w:gz") as tar:
+        tar.add(tmp_path / "src" / tb.BATCHES_DIR, arcname=tb.BATCHES_DIR)
+    os.makedirs(tmp_path / "n")
+    np.savez(tmp_path / "n" / "cifar10.npz", **tiny)
+    for folder in ("t", "n"):
+        assert_same(tb.load_cifar10(str(tmp_path / folder), download=False), tiny)
+
+
+def test_a_tarball_lacking_a_batch_names_it(tmp_path, tiny):
+    """Not a KeyError from the member lookup: the one batch missing, named."""
+    write_batches(tmp_path / "b", tiny)
+    os.remove(tmp_path / "b" / "test_batch")
+    with tarfile.open(tmp_path / "x.tar.gz", "w:gz") as tar:
+        tar.add(tmp_path / "b", arcname=tb.BATCHES_DIR)
+    with pytest.raises(tb.DataError, match=r"x.tar.gz: not a CIFAR-10 tarball, missing test_batch$"):
+        tb.load_cifar10(str(tmp_path / "x.tar.gz"), download=False)
+
+
+UNPICKLED = []
+
+
+def _unpickled(value):
+    UNPICKLED.append(value)
+    return value
+
+
+class UnpicklesCode:
+    def __reduce__(self):
+        return _unpickled, (0,)
+
+
+def test_an_npz_holding_pickled_objects_is_refused_unread(tmp_path, tiny):
+    """np.load with allow_pickle would run whatever an object array's pickle names: the file is refused as
+    corrupt before any of it is unpickled."""
+    labels = np.empty(len(tiny["train_y"]), dtype=object)
+    labels[:] = tiny["train_y"].tolist()
+    labels[0] = UnpicklesCode()
+    np.savez(tmp_path / "objects.npz", **dict(tiny, train_y=labels))
+    UNPICKLED.clear()
+    with pytest.raises(tb.DataError, match="objects.npz: truncated or corrupt .npz"):
+        tb.load_cifar10(str(tmp_path / "objects.npz"), download=False)
+    assert UNPICKLED == []
+
+
+def fake_torchvision(monkeypatch, tiny, calls):
+    """torchvision whose CIFAR10 download extracts `tiny` as the batches folder into its root."""
+    import types
+
+    def cifar(root, train, download):
+        calls.append(root)
+        write_batches(os.path.join(root, tb.BATCHES_DIR), tiny)
+    fake = types.SimpleNamespace(datasets=types.SimpleNamespace(CIFAR10=cifar))
+    monkeypatch.setitem(sys.modules, "torchvision", fake)
+
+
+def test_a_download_loads_the_batches_it_extracted(tmp_path, tiny, monkeypatch):
+    """Into the folder given (made if absent), then read from the batches folder torchvision extracts there."""
+    calls = []
+    fake_torchvision(monkeypatch, tiny, calls)
+    assert_same(tb.load_cifar10(str(tmp_path / "data"), download=True), tiny)
+    assert calls == [str(tmp_path / "data")]
+
+
+def test_a_missing_npz_or_tarball_path_is_never_a_download_folder(tmp_path, tiny, monkeypatch):
+    """A mistyped file name (x.npz, x.tar.gz) is an error naming it, not a folder of that name to download into."""
+    calls = []
+    fake_torchvision(monkeypatch, tiny, calls)
+    for name in ("x.npz", "x.tar.gz"):
+        with pytest.raises(tb.DataError, match=f"^no CIFAR-10 data at .*{name}; pass --data"):
+            tb.load_cifar10(str(tmp_path / name), download=True)
+    assert calls == [] and not os.path.exists(tmp_path / "x.npz")
+
+
+def test_a_train_subset_is_a_fixed_random_draw_of_up_to_every_image(tiny):
+    """The rows are sorted by class in some exports: the subset is the seed-0 permutation's first n, not the
+    first n rows; all the images (n = their number) is allowed, one more is refused; 0 is the data itself, and
+    a negative n (which a slice would take as "all but n") is refused."""
+    data = tb.validate(dict(tiny), "tiny")
+    keep = np.random.default_rng(0).permutation(200)[:30]
+    sub = tb.train_subset(data, 30, "tiny")
+    np.testing.assert_array_equal(sub["train_x"], data["train_x"][keep])
+    np.testing.assert_array_equal(sub["train_y"], data["train_y"][keep])
+    assert sub["test_x"] is data["test_x"] and tb.train_subset(data, 0, "tiny") is data
+    assert sorted(tb.train_subset(data, 200, "tiny")["train_y"].tolist()) == sorted(data["train_y"].tolist())
+    with pytest.raises(tb.DataError, match="--train-subset 201 exceeds the 200 training images in tiny"):
+        tb.train_subset(data, 201, "tiny")
+    with pytest.raises(tb.DataError, match=r"--train-subset must be >= 0 \(0: all\), got -5"):
+        tb.train_subset(data, -5, "tiny")

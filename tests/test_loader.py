@@ -386,3 +386,28 @@ def test_close_stops_the_workers_at_once():
     with pytest.raises(RuntimeError, match="this stream is closed"):
         for _ in range(100):  # past what was prefetched before the close
             stream.next_batch()
+
+
+def test_the_stream_refuses_at_start_what_it_cannot_stream():
+    """At construction, before any worker starts: a batch larger than the data (the data's size is fine), an echo
+    factor below 1 (1 is fine) and an echo mode it does not know, each named."""
+    data = loader_data(n=40)
+    assert stream_of(data, batch_size=40).bs == 40
+    with pytest.raises(ValueError, match="^batch size 41 exceeds the 40 training images$"):
+        stream_of(data, batch_size=41)
+    assert stream_of(data, echo="batch", echo_factor=1).factor == 1
+    with pytest.raises(ValueError, match="^echo factor must be >= 1, got 0.5$"):
+        stream_of(data, echo="batch", echo_factor=0.5)
+    with pytest.raises(ValueError, match="^unknown echo mode 'examples'; choose one of none, example-before-aug"):
+        stream_of(data, echo="examples", echo_factor=2)
+
+
+def test_a_shuffle_buffer_of_two_items_already_shuffles():
+    """Only a buffer of 1 (which emits in order) is no buffer: one of 2 mixes the stream, from the first batch."""
+    data = loader_data(n=100)
+    assert stream_of(data, echo_shuffle_buffer=1).buffer is None
+    plain, mixed = stream_of(data), stream_of(data, echo_shuffle_buffer=2)
+    assert mixed.buffer.size == 2
+    plain.next_batch()
+    mixed.next_batch()
+    assert plain.last["index"].tolist() != mixed.last["index"].tolist()

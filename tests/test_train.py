@@ -529,6 +529,19 @@ def test_a_file_that_is_no_checkpoint_exits_2_with_one_line(tiny_npz, tmp_path, 
     assert r.stderr.strip().count("\n") == 0
 
 
+def test_a_saved_dict_lacking_part_of_a_run_is_no_checkpoint(tmp_path):
+    """A dict with some of a run's parts (say another tool's {"cfg", "seed", "model"}) failed later on the missing
+    one, with a KeyError: each of cfg, seed, model, opt, result and epoch is required."""
+    parts = dict(cfg={}, seed=0, model={}, opt={}, result={}, epoch=1)
+    path = str(tmp_path / "run.pt")
+    torch.save(parts, path)
+    assert train_cifar.load_checkpoint(path, torch.device("cpu")) == parts
+    for missing in parts:
+        torch.save({k: v for k, v in parts.items() if k != missing}, path)
+        with pytest.raises(ValueError, match=r"run.pt is not a checkpoint of train_cifar.py \(not a saved run\)"):
+            train_cifar.load_checkpoint(path, torch.device("cpu"))
+
+
 def test_progress_within_epochs_reports_every_step_and_changes_nothing(tiny):
     """A run told to show progress (on a terminal, by default) reports each epoch's steps on one line, clears it
     before the epoch's row, and trains exactly as one that does not."""
@@ -559,6 +572,74 @@ def test_checkpoint_mismatch_compares_precision_as_resolved():
     legacy = dict(cfg=cfg, seed=4)  # saved before the resolved precision was: the option must match as given
     assert train_cifar.checkpoint_mismatch(legacy, cfg, 4, "fp32") is None
     assert "differs in precision" in train_cifar.checkpoint_mismatch(legacy, dict(cfg, precision="fp32"), 4, "fp32")
+
+
+def test_checkpoint_mismatch_ignores_how_a_run_is_run_and_where_it_stops():
+    """--stop-after-epochs, --compile(-mode), --cpu-conv and --sync-check change where a run stops or how a step
+    runs, not what it computes: a checkpoint continues under other values of each (the next option still counts)."""
+    cfg = train_cifar.make_config("fast94", precision="fp32")
+    state = dict(cfg=cfg, seed=4, precision="fp32")
+    for how in (dict(stop_after_epochs=3), dict(compile=True, compile_mode="max-autotune"), dict(cpu_conv="onednn"),
+                dict(sync_check=True)):
+        assert train_cifar.checkpoint_mismatch(state, dict(cfg, **how), 4, "fp32") is None, how
+    assert "differs in tta" in train_cifar.checkpoint_mismatch(state, dict(cfg, tta=0, sync_check=True), 4, "fp32")
+
+
+def test_a_checkpoint_or_log_without_a_data_fingerprint_compares_no_data():
+    """Checkpoints and logs from before the fingerprint (or a run handed none) compare nothing, with no error;
+    where both have one, the arrays that differ in size or checksum are named in order."""
+    fp = dict(train_x=[200, 5], train_y=[200, 6], test_x=[50, 7], test_y=[50, 8])
+    assert train_cifar.data_differs(None, fp) == train_cifar.data_differs(fp, None) == []
+    assert train_cifar.data_differs("abc", fp) == []
+    assert train_cifar.data_differs(fp, dict(fp, train_y=[200, 9], test_y=[49, 8])) == ["train_y", "test_y"]
+    cfg = train_cifar.make_config("fast94", precision="fp32")
+    assert train_cifar.checkpoint_mismatch(dict(cfg=cfg, seed=4, precision="fp32"), cfg, 4, "fp32", fp) is None
+
+
+def test_a_checkpoint_resumes_one_run_only(tmp_path, tiny):
+    """--runs 2 would resume the second run from the first's checkpoint: refused before anything is saved."""
+    with pytest.raises(ValueError, match=r"^--checkpoint resumes a single run; use it with --runs 1$"):
+        train_cifar.train("fast94", data=tiny, checkpoint=str(tmp_path / "run.pt"), runs=2, **TINY_FAST)
+    assert not (tmp_path / "run.pt").exists()
+
+
+def test_a_checkpoint_with_the_loader_pipeline_is_refused_before_the_data_reach_the_device(tmp_path, tiny,
+                                                                                          monkeypatch):
+    """Not after a first epoch trained (its stream cannot be saved): before anything is loaded or trained."""
+    def no_device(*args, **kwargs):
+        raise AssertionError("the data went to the device before the refusal")
+    monkeypatch.setattr(tb, "to_device", no_device)
+    with pytest.raises(ValueError, match="^--checkpoint is not supported with --pipeline loader$"):
+        train_cifar.train("fast94", data=tiny, checkpoint=str(tmp_path / "run.pt"), pipeline="loader", **TINY_FAST)
+
+
+def test_a_batch_of_every_training_image_is_runnable_and_one_more_is_not():
+    """The edge: a batch of all the images left (after any holdout) runs; one image more is refused."""
+    train_cifar.check_runnable(train_cifar.make_config("fast94", batch_size=200), 200)
+    train_cifar.check_runnable(train_cifar.make_config("fast94", batch_size=100, holdout=100), 200)
+    with pytest.raises(ValueError, match="^batch size 101 exceeds the 100 training images left by holdout 100$"):
+        train_cifar.check_runnable(train_cifar.make_config("fast94", batch_size=101, holdout=100), 200)
+
+
+def test_data_handed_to_train_are_checked_as_loaded_data_are(tiny):
+    """train(data=...) (the studies' and the API's way in) validates the arrays as load_cifar10 does: float
+    labels are a DataError naming them, not a failure deep in the loss."""
+    with pytest.raises(tb.DataError, match="^data: train_y has dtype float64, expected integer labels$"):
+        train_cifar.train("fast94", data=dict(tiny, train_y=tiny["train_y"].astype(np.float64)), **TINY_FAST)
+
+
+def test_a_logs_data_fingerprint_must_be_sizes_and_checksums_as_written(tmp_path):
+    """Each array's [size, checksum], two whole numbers: anything else (an edited log) is refused, not compared."""
+    fp = dict(train_x=[200, 5], train_y=[200, 6], test_x=[50, 7], test_y=[50, 8])
+    log = dict(preset="fast94", config=core.json_safe(train_cifar.make_config("fast94")), runs=[])
+    path = tmp_path / "log.json"
+    path.write_text(json.dumps(dict(log, data_fingerprint=fp)))
+    assert train_cifar.config_from_log(str(path))[0] == "fast94"
+    for bad in (dict(fp, test_y=[50, "8"]), dict(fp, test_y=[50, 8.5]), dict(fp, test_y=[50, 8, 1]),
+                {k: v for k, v in fp.items() if k != "test_y"}, dict(fp, test_y=(50, 8), extra=[1, 2])):
+        path.write_text(json.dumps(dict(log, data_fingerprint=bad)))
+        with pytest.raises(ValueError, match="its data_fingerprint is not one train_cifar.py writes"):
+            train_cifar.config_from_log(str(path))
 
 
 def test_a_checkpoint_does_not_resume_on_other_data(tmp_path):
