@@ -220,3 +220,70 @@ def test_bench_allocator_says_which_allocators_it_skips(tmp_path, monkeypatch, c
         bench_allocator.main()
     note = "note: skipping tcmalloc, not found on this machine; to time it: apt-get install libtcmalloc-minimal4"
     assert (note in capsys.readouterr().out) == (not chosen) and timed == [None]
+
+
+def ddp_bench_rank(monkeypatch, tmp_path, rank, world, *sets):
+    """bench_ddp.main as rank `rank` of `world` would run it, with the process group faked: each step's labels,
+    the net's conversions and the world it was wrapped for are recorded; every other rank's timing is taken as
+    100 s, so the slowest rank's time is 100 s."""
+    import parallel
+    import torch.distributed as dist
+    import train_cifar
+    monkeypatch.undo()  # the last rank's fakes
+    seen = dict(labels=[], sync_bn=[], wrapped=[])
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setattr(bench_ddp, "N_TRAIN", 64)
+    monkeypatch.setattr(parallel, "init_distributed", lambda: (rank, world, rank))
+    monkeypatch.setattr(parallel, "bn_process_groups", lambda w, g: ("group", w, g))
+    monkeypatch.setattr(parallel, "convert_sync_bn", lambda model, group: seen["sync_bn"].append(group) or model)
+    monkeypatch.setattr(train_cifar, "make_step_fn", lambda cfg, model, w: seen["wrapped"].append(w) or model)
+    step = train_cifar.train_step
+    monkeypatch.setattr(train_cifar, "train_step", lambda cfg, fn, opt, x, y, *a: (seen["labels"].append(y.clone()),
+                                                                                  step(cfg, fn, opt, x, y, *a))[1])
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: None)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: None)
+    ops = {dist.ReduceOp.MAX: lambda t: t.clamp_(min=100.0), dist.ReduceOp.SUM: lambda t: t.add_(100.0 * (world - 1))}
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=dist.ReduceOp.SUM, **k: ops[op](t))
+    out = tmp_path / f"rank{rank}-of-{world}.jsonl"
+    monkeypatch.setattr(sys, "argv", ["bench_ddp.py", "--steps", "3", "--repeats", "1", "--warmup", "1", "--out",
+                                      str(out), "--set=widths=(8,8,8)", "--set=batch_size=20",
+                                      "--set=precision=fp32", *sets])
+    bench_ddp.main()
+    return seen, out
+
+
+def test_bench_ddp_ranks_train_on_their_slices_and_rank_0_logs_the_slowest_ranks_rate(tmp_path, monkeypatch, capsys):
+    """Two ranks' slices of each step's batch are one process's batch (a rank on another's slice, or on all of
+    it, times other work); the rate is the global batch over the slowest rank's time (max, not a sum of the
+    ranks' times), logged by rank 0 alone; the net is wrapped for the world and synchronises BN as asked."""
+    import json
+    alone, _ = ddp_bench_rank(monkeypatch, tmp_path, 0, 1)
+    capsys.readouterr()
+    ranks = [ddp_bench_rank(monkeypatch, tmp_path, rank, 2, "--set=sync_bn_group_size=2") for rank in (0, 1)]
+    assert capsys.readouterr().out.count("img/s") == 1  # rank 0's line
+    assert not ranks[1][1].exists()
+    (rec,) = [json.loads(line) for line in ranks[0][1].read_text().splitlines()]
+    assert rec["world_size"] == 2 and rec["rates"] == [pytest.approx(3 * 20 / 100.0)]
+    assert len(alone["labels"]) == 4 and all(len(y) == 20 for y in alone["labels"])
+    for step, y in enumerate(alone["labels"]):
+        assert torch.equal(torch.cat([seen["labels"][step] for seen, _ in ranks]), y)
+    assert all(seen["wrapped"] == [2] and seen["sync_bn"] == [("group", 2, 2)] for seen, _ in ranks)
+    assert alone["wrapped"] == [1] and alone["sync_bn"] == []
+
+
+def test_augment_times_a_data_set_exactly_as_large_as_a_repeat_and_counts_its_images(tmp_path, monkeypatch, capsys):
+    """--batch x --batches may use every training image (the refusal is for more); each rate is over the images
+    its call augments: every batch of the batched version, one batch of the loop."""
+    import json
+    import bench_augment
+    np.savez(tmp_path / "tiny.npz", **synthetic(n_train=60, n_test=10))
+    counted, rate = [], bench_augment.rate
+    monkeypatch.setattr(bench_augment, "rate", lambda fn, n, *a: counted.append(n) or rate(fn, n, *a))
+    monkeypatch.setattr(sys, "argv", ["bench_augment.py", "--data", str(tmp_path / "tiny.npz"), "--batch", "20",
+                                      "--batches", "3", "--repeats", "1", "--device", "cpu", "--log-dir",
+                                      str(tmp_path / "out")])
+    bench_augment.main()
+    assert counted == [60, 20] and "speed-up" in capsys.readouterr().out
+    (log,) = (tmp_path / "out").iterdir()
+    assert json.loads(log.read_text())["batch"] == 20

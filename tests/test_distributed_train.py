@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 import train_cifar
 from conftest import ROOT, synthetic
@@ -254,3 +255,79 @@ def test_warmup_rises_over_its_epochs_into_a_schedule_that_does_not_start_at_0()
     assert [lr(e) for e in (0, 1, 2, 3, 10)] == pytest.approx([0.0, 0.64, 1.28, 1.12, 0.0])
     stretched = train_cifar.lr_schedule(train_cifar.make_config("fast94", epochs=20, warmup_epochs=2))
     assert [stretched(e) for e in (1, 2, 4)] == pytest.approx([0.72, 1.44, 1.28])
+
+
+class FakeDDP:
+    """A stand-in for DistributedDataParallel (no process group needed) that records the comm hook it is given."""
+
+    def __init__(self, module):
+        self.module, self.hooks = module, []
+
+    def register_comm_hook(self, state, hook):
+        self.hooks.append((state, hook))
+
+
+@pytest.mark.parametrize("allreduce, group_size, local_world, expected", [
+    ("flat", 0, "2", None), ("hierarchical", 0, "2", (4, 2)), ("hierarchical", 0, None, (4, 4)),
+    ("hierarchical", 1, "2", (4, 1))])
+def test_step_fn_wires_the_2d_all_reduce_on_the_chosen_groups(monkeypatch, allreduce, group_size, local_world,
+                                                               expected):
+    """The torchrun runs above cannot tell a missing hook, or other groups, from the right ones (every grouping
+    sums the same gradients): the hook and its grid (--allreduce-group-size, else the processes on a node,
+    LOCAL_WORLD_SIZE, else all of them) are checked here. One process gets the plain net."""
+    import parallel
+    grids = []
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", FakeDDP)
+    monkeypatch.setattr(parallel, "make_hierarchical_state", lambda world, group: grids.append((world, group)) or "st")
+    if local_world is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world)
+    cfg = train_cifar.make_config("resnet9", allreduce=allreduce, allreduce_group_size=group_size)
+    model = torch.nn.Linear(2, 2)
+    assert train_cifar.make_step_fn(cfg, model, 1) is model and not grids
+    step_fn = train_cifar.make_step_fn(cfg, model, 4)
+    assert isinstance(step_fn, FakeDDP) and step_fn.module is model
+    assert grids == ([expected] if expected else [])
+    assert step_fn.hooks == ([("st", parallel.hierarchical_allreduce_hook)] if expected else [])
+
+
+def test_compile_warm_up_takes_the_per_process_batch_and_a_wrapper_per_frozen_state(monkeypatch):
+    """Under torchrun a step trains on batch_size / world images: graphs compiled for the global batch would be
+    compiled again in the timed steps. And each state of what trains gets its own DDP wrapper, built after the
+    change (a wrapper built before reduces the parameters that trained then)."""
+    cfg = train_cifar.make_config("fast94", widths=(8, 8, 8), batch_size=40, epochs=3, whiten_bias_epochs=1,
+                                  block_epochs=(0, 2), precision="fp32")
+    model = train_cifar.build_model(cfg, torch.device("cpu"))
+    sizes, wrapped, batches = [], [], train_cifar.warm_up_batches
+    monkeypatch.setattr(train_cifar, "warm_up_batches", lambda n, *a: sizes.append(n) or batches(n, *a))
+    monkeypatch.setattr(train_cifar, "make_step_fn", lambda c, m, world: wrapped.append(
+        (world, tuple(p.requires_grad for p in m.parameters()))) or m)
+    monkeypatch.setattr(train_cifar, "forward_backward", lambda cfg, model, step_fn, x, y, *a: None)
+    train_cifar.warm_up_compile(cfg, model, torch.device("cpu"), "fp32", 2)
+    assert sizes == [20]
+    states = []
+    for epoch in (1, 2, 3):
+        with train_cifar.trains_as(model, train_cifar.trains_in(cfg, epoch)):
+            states.append((2, tuple(p.requires_grad for p in model.parameters())))
+    assert wrapped == list(dict.fromkeys(states)) and len(wrapped) == 3
+
+
+def test_a_net_not_finite_on_another_rank_alone_ends_the_run_as_diverged(monkeypatch):
+    """Each rank's BN statistics come from its own shard (DDP broadcasts rank 0's only at the next forward), so
+    one rank's net can hold inf where rank 0's is finite: the epoch totals count the finite nets, and fewer than
+    the world's is a divergence on every rank. Rank 0 of two here, its peer faked into the all-reduce: its
+    loss, accuracy and count as rank 0's, its net not finite."""
+    import torch.distributed as dist
+    import torch_backend as tb
+    cfg = train_cifar.make_config("fast94", widths=(8, 8, 8), batch_size=40, epochs=1, precision="fp32", tta=0)
+    cpu = torch.device("cpu")
+    data = tb.to_device(tb.validate(synthetic(80, 20), "tiny"), cpu, torch.float32, pad=cfg["pad"])
+    monkeypatch.setattr(train_cifar, "make_step_fn", lambda cfg, model, world: model)
+
+    def peer(t, *args, **kwargs):
+        if t.dim() == 1:  # the epoch totals: loss sum, correct, seen, whether the net is finite
+            t.copy_(t * torch.tensor([2.0, 2.0, 2.0, 1.0]))
+    monkeypatch.setattr(dist, "all_reduce", peer)
+    with pytest.raises(train_cifar.Diverged, match="the net's weights or BN statistics are not finite at epoch 1"):
+        train_cifar.run_once(cfg, data, 0, 0, cpu, "fp32", log=lambda *a: None, rank=0, world=2)

@@ -94,3 +94,14 @@ def test_the_planned_fast96_variant_stays_within_its_flops():
     model = train_cifar.build_model(dict(cfg, precision="fp32"), meta)
     per_run = train_cifar.run_flops(cfg, model, train_cifar.make_optimizer(cfg, model), meta, "fp32", 50000)[2]
     assert 3.0e15 < per_run <= 3.1e15
+
+
+def test_a_run_count_of_0_skips_its_step(tmp_path):
+    """N95=0 (and N94_GRAPHS, N96_FP16 and REPRO left at their 0) list no step for them: listed, each would spend
+    the lease's minutes starting a process to train nothing. The counts given reach --runs."""
+    commands = [without_env(words) for words in dry_run(tmp_path, "", N95="0", N94="3", N94_GRAPHS=None,
+                                                            N96_FP16=None, REPRO=None, EXTRAS=None)]
+    trains = [words for words in commands if words[1] == "train_cifar.py"]
+    presets = [(words[words.index("--preset") + 1], words[words.index("--runs") + 1]) for words in trains]
+    assert presets == [("fast94", "3"), ("fast96", "5"), ("resnet9-tricks", "5")], presets
+    assert not any("--from-log" in words or "reduce-overhead" in words for words in trains)

@@ -620,6 +620,17 @@ def test_init_distributed_takes_torchruns_rank_world_and_local_rank(monkeypatch)
     assert (joined["rank"], joined["world_size"], joined["backend"]) == (5, 8, "gloo")
 
 
+def test_init_distributed_in_a_joined_process_group_returns_its_rank(monkeypatch):
+    """Called again once the group exists (by a benchmark after train_cifar, say), it answers the group's rank and
+    size: rank 0 everywhere would make every process log and take rank 0's slices."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 3)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 4)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: pytest.fail("joined twice"))
+    assert parallel.init_distributed() == (3, 4, 1)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # All-reduce cost model
 
