@@ -148,15 +148,18 @@ def test_missing_arrays_and_missing_path(tmp_path, tiny):
         tb.load_cifar10(str(tmp_path / "nowhere"), download=False)
 
 
+def fake_torchvision(monkeypatch, cifar10):
+    """torchvision, as far as the download uses it: datasets.CIFAR10(root=..., train=..., download=...) is cifar10."""
+    import types
+    monkeypatch.setitem(sys.modules, "torchvision", types.SimpleNamespace(datasets=types.SimpleNamespace(
+        CIFAR10=cifar10)))
+
+
 def test_offline_download_failure_names_the_path(tmp_path, monkeypatch):
     """With no data and no network, the download path must end in one DataError that says what to do."""
-    import sys
-    import types
-
     def failing_cifar(**kwargs):
         raise OSError("network unreachable")
-    fake = types.SimpleNamespace(datasets=types.SimpleNamespace(CIFAR10=failing_cifar))
-    monkeypatch.setitem(sys.modules, "torchvision", fake)
+    fake_torchvision(monkeypatch, failing_cifar)
     with pytest.raises(tb.DataError, match=r"downloading it failed.*network unreachable.*--data"):
         tb.load_cifar10(str(tmp_path / "data"), download=True)
 
@@ -232,21 +235,18 @@ def test_an_npz_holding_pickled_objects_is_refused_unread(tmp_path, tiny):
     assert UNPICKLED == []
 
 
-def fake_torchvision(monkeypatch, tiny, calls):
-    """torchvision whose CIFAR10 download extracts `tiny` as the batches folder into its root."""
-    import types
-
+def extracting(tiny, calls):
+    """A CIFAR10 download that extracts `tiny` as the batches folder into its root, noting each root."""
     def cifar(root, train, download):
         calls.append(root)
         write_batches(os.path.join(root, tb.BATCHES_DIR), tiny)
-    fake = types.SimpleNamespace(datasets=types.SimpleNamespace(CIFAR10=cifar))
-    monkeypatch.setitem(sys.modules, "torchvision", fake)
+    return cifar
 
 
 def test_a_download_loads_the_batches_it_extracted(tmp_path, tiny, monkeypatch):
     """Into the folder given (made if absent), then read from the batches folder torchvision extracts there."""
     calls = []
-    fake_torchvision(monkeypatch, tiny, calls)
+    fake_torchvision(monkeypatch, extracting(tiny, calls))
     assert_same(tb.load_cifar10(str(tmp_path / "data"), download=True), tiny)
     assert calls == [str(tmp_path / "data")]
 
@@ -254,7 +254,7 @@ def test_a_download_loads_the_batches_it_extracted(tmp_path, tiny, monkeypatch):
 def test_a_missing_npz_or_tarball_path_is_never_a_download_folder(tmp_path, tiny, monkeypatch):
     """A mistyped file name (x.npz, x.tar.gz) is an error naming it, not a folder of that name to download into."""
     calls = []
-    fake_torchvision(monkeypatch, tiny, calls)
+    fake_torchvision(monkeypatch, extracting(tiny, calls))
     for name in ("x.npz", "x.tar.gz"):
         with pytest.raises(tb.DataError, match=f"^no CIFAR-10 data at .*{name}; pass --data"):
             tb.load_cifar10(str(tmp_path / name), download=True)

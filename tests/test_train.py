@@ -899,6 +899,17 @@ def test_compile_warm_up_leaves_the_net_as_it_was():
     assert torch.equal(torch.get_rng_state(), rng_state)  # the run's random streams are untouched
 
 
+def jumping_clock(monkeypatch):
+    """time.perf_counter moved on 1000 s at each call of the jump() returned (with any arguments, so it can stand
+    in for a function); jumped[0]: how far in all."""
+    real_clock, jumped = time.perf_counter, [0.0]
+
+    def jump(*args, **kwargs):
+        jumped[0] += 1000.0
+    monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + jumped[0])
+    return jump, jumped
+
+
 @pytest.mark.parametrize("preset, mode", [("fast94-sgd", "default"), ("fast94", "reduce-overhead")])
 def test_compiled_run_matches_the_eager_run(monkeypatch, preset, mode):
     """torch.compile changes how the step runs, not what it computes: same seed, same training losses (fp32,
@@ -911,15 +922,9 @@ def test_compiled_run_matches_the_eager_run(monkeypatch, preset, mode):
               whiten_bias_epochs=1, train_sizes=(), compile_mode=mode, log_dir=None)
     said = []
     eager = train_cifar.train(preset, data=data, log=lambda *a: None, **kw)["runs"][0]
-    real_clock, jumped = time.perf_counter, [0.0]
+    jump, _ = jumping_clock(monkeypatch)
     warm_up_compile = train_cifar.warm_up_compile
-
-    def slow_warm_up(*args, **kwargs):
-        warm_up_compile(*args, **kwargs)
-        jumped[0] += 1000.0
-
-    monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + jumped[0])
-    monkeypatch.setattr(train_cifar, "warm_up_compile", slow_warm_up)
+    monkeypatch.setattr(train_cifar, "warm_up_compile", lambda *a, **k: (warm_up_compile(*a, **k), jump()))
     compiled = train_cifar.train(preset, data=data, log=said.append, compile=True, **kw)["runs"][0]
     np.testing.assert_allclose([r["train_loss"] for r in compiled["epochs"]],
                                [r["train_loss"] for r in eager["epochs"]], rtol=1e-3)
@@ -930,11 +935,7 @@ def test_compiled_run_matches_the_eager_run(monkeypatch, preset, mode):
 def test_compiling_the_proxy_is_not_counted_in_the_runs_time(monkeypatch):
     """Data selection's proxy compiles beside the net, outside the timer too: both warm-ups jump the clock by
     1000 s (torch.compile left out: what counts is where the clock is read)."""
-    real_clock, jumped = time.perf_counter, [0.0]
-
-    def jump(*args, **kwargs):
-        jumped[0] += 1000.0
-    monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + jumped[0])
+    jump, jumped = jumping_clock(monkeypatch)
     monkeypatch.setattr(train_cifar, "warm_up_compile", jump)
     monkeypatch.setattr(train_cifar.Proxy, "warm_up", jump)
     monkeypatch.setattr(torch, "compile", lambda fn=None, **kwargs: fn if fn is not None else (lambda f: f))
@@ -1319,14 +1320,9 @@ def test_the_whitening_is_fitted_to_the_images_not_their_padding():
 def test_only_the_final_evaluation_counts_in_a_runs_time(monkeypatch, tiny):
     """Per-epoch evaluations fill the table and are not the run's time; the final one (with its TTA) is. The
     clock jumps 1000 s in every evaluation: three epochs evaluated, one jump counted."""
-    real_clock, jumped = time.perf_counter, [0.0]
+    jump, jumped = jumping_clock(monkeypatch)
     evaluate = train_cifar.evaluate
-
-    def slow_evaluate(*args, **kwargs):
-        jumped[0] += 1000.0
-        return evaluate(*args, **kwargs)
-    monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + jumped[0])
-    monkeypatch.setattr(train_cifar, "evaluate", slow_evaluate)
+    monkeypatch.setattr(train_cifar, "evaluate", lambda *a, **k: (jump(), evaluate(*a, **k))[1])
     run = train_cifar.train("fast94", data=tiny, epochs=3, eval_every=1, **TINY_FAST)["runs"][0]
     assert jumped[0] == 3000.0 and 1000 <= run["total_time_s"] < 2000
     assert [r["total_time"] < 1000 for r in run["epochs"]] == [True, True, False]
@@ -1559,15 +1555,15 @@ def test_an_epoch_is_its_whole_batches_and_fractional_epochs_round_the_steps_up(
 def evaluations_jumping_the_clock(monkeypatch, accuracies, confidences=None):
     """evaluate replaced: each call moves the clock 1000 s and returns the next of accuracies (then 0.0); the
     tta of each call is recorded in the returned list, its tta_confidence in confidences if given."""
-    real_clock, jumped, calls, accs = time.perf_counter, [0.0], [], iter(accuracies)
+    jump, _ = jumping_clock(monkeypatch)
+    calls, accs = [], iter(accuracies)
 
     def evaluate(model, data, precision, device, tta, rank=0, world=1, tta_confidence=0.0, *args, **kwargs):
-        jumped[0] += 1000.0
+        jump()
         calls.append(tta)
         if confidences is not None:
             confidences.append(tta_confidence)
         return next(accs, 0.0)
-    monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + jumped[0])
     monkeypatch.setattr(train_cifar, "evaluate", evaluate)
     return calls
 
