@@ -8,8 +8,8 @@ per run, with the target and each log's preset and seed in the legend.
 
 With --x flops, one point per recipe instead of curves: the logs are pooled by what they trained (as
 compare_runs.py pools them: seeds, hardware and compilation aside), each recipe drawn at its training FLOPs per
-run with its mean final accuracy ± std over the finished runs, beside the published records; a table of the
-points is printed.
+run (as its newest log counts them) with its mean final accuracy ± std over the finished runs, beside the
+published records; a table of the points is printed.
 
 With --reference (a published per-epoch curve, see logs/reference/), it also prints each run's test accuracy
 beside the reference's, epoch by epoch. Reads the JSON summaries train_cifar.py writes (several logs of one
@@ -171,7 +171,8 @@ def recipe_points(summaries):
     """One point per recipe the logs trained, in the order first seen. Logs pool as compare_runs.py pools them
     (compare_runs.recipe: seeds, hardware and compilation aside; an option an older log lacks is not compared).
     Each point: preset, tag (its settings of the options on which two recipes of its preset differ), n finished
-    runs, accuracy mean and std (%), PF per run, hardware. Recipes without a finished run are left out."""
+    runs, accuracy mean and std (%), PF per run as its newest log counts it, the other counts its older logs
+    give (older_pf), hardware. Recipes without a finished run are left out."""
     groups = []  # [recipe, [summaries]]
     for s in summaries:
         if not isinstance(s.get("config"), dict):
@@ -194,8 +195,12 @@ def recipe_points(summaries):
         if not accs:
             continue
         mean, std = core.mean_std(accs)
+        # the newest log's count: FLOP counting was corrected since the first logs (README: What the timer covers)
+        newest = max(logs, key=lambda s: s.get("started") or "")
         points.append(dict(preset=r["preset"], tag=tag, n=len(accs), mean=mean, std=std,
-                           pf=flops_per_run(logs[0]) / 1e15, hardware=sorted({s.get("hardware", "?") for s in logs})))
+                           pf=flops_per_run(newest) / 1e15,
+                           older_pf=sorted({flops_per_run(s) / 1e15 for s in logs} - {flops_per_run(newest) / 1e15}),
+                           hardware=sorted({s.get("hardware", "?") for s in logs})))
     if not points:
         raise LogError("none of the logs has a finished run")
     return points
@@ -360,7 +365,10 @@ def main(argv=None):
     once = f"counted once: {', '.join(repeated)}\n" if repeated else ""
     if a.x == "flops":
         for p in points:
-            print(f"{point_label(p)} at {core.format_flops(p['pf'] * 1e15)}; " + "; ".join(p["hardware"]))
+            shown = core.format_flops(p["pf"] * 1e15)
+            older = sorted({core.format_flops(pf * 1e15) for pf in p["older_pf"]} - {shown})
+            older = f" (older logs: {', '.join(older)})" if older else ""
+            print(f"{point_label(p)} at {shown}{older}; " + "; ".join(p["hardware"]))
         print(once, end="")
         print(f"{plural(len(points), 'recipe')} -> {os.path.abspath(a.out)}")
         return 0

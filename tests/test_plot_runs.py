@@ -191,6 +191,25 @@ def test_recipe_points_pool_logs_by_recipe(logged):
     assert first["hardware"] == sorted({summary["hardware"], "another machine"})
 
 
+def test_a_recipe_is_placed_at_its_newest_logs_flops(logged, tmp_path, capsys):
+    """Logs of one recipe from before and after FLOP counting was corrected: the point takes the newest log's
+    count, whichever order the logs come in, and the printed table names the older count too."""
+    summary = core.read_run_log(logged[0])
+    older = json.loads(json.dumps(summary))
+    older.update(started="2026-12-01T00:00:00+00:00", train_flops_per_run=1.03 * summary["train_flops_per_run"])
+    newer = dict(json.loads(json.dumps(summary)), started="2026-12-06T00:00:00+00:00")
+    for order in ([older, newer], [newer, older]):
+        (point,) = plot_runs.recipe_points(order)
+        assert point["pf"] == summary["train_flops_per_run"] / 1e15
+        assert point["older_pf"] == [older["train_flops_per_run"] / 1e15]
+    # a third log counting a hair off the older one (as logs of one commit may) is named once, under one count
+    hair = dict(json.loads(json.dumps(older)), train_flops_per_run=older["train_flops_per_run"] * (1 + 1e-6))
+    paths = [copy_log(log, tmp_path / f"{i}.json") for i, log in enumerate([older, newer, hair])]
+    assert plot_runs.main([*paths, "--x", "flops", "--out", str(tmp_path / "r.png")]) == 0
+    shown = core.format_flops(summary["train_flops_per_run"])
+    assert f" at {shown} (older logs: {core.format_flops(older['train_flops_per_run'])}); " in capsys.readouterr().out
+
+
 def test_flops_plot_writes_a_png_and_prints_each_recipe(logged, tmp_path, capsys):
     out = tmp_path / "records.png"
     assert plot_runs.main([logged[0], "--x", "flops", "--out", str(out)]) == 0
