@@ -149,7 +149,9 @@ PRESETS = {
     # logs/fast94-20261202-124557-1360): 94.12 ± 0.10% over n=12; seeds 12-15 on a Zen 4 (94.23, 94.26, 94.32,
     # 94.15; 874 ± 15 s, logs/fast94-20261204-230116-23640): 94.15 ± 0.10% over n=16; seeds 16-19 there 1.5 h
     # later (94.17, 93.92, 94.12, 94.12; 693 ± 6 s, logs/fast94-20261205-012711-15184): 94.14 ± 0.11% over n=20
-    # (18 reach 94%). NVIDIA H200, compiled: 94.14 ± 0.12% (n=20, 18 reach 94%), 2.79 ± 0.24 s a run,
+    # (18 reach 94%). Today's code, Zen 5: 94.08 ± 0.12% (n=10, seeds 0-9; 7 reach 94%), 383 ± 11 s,
+    # logs/fast94-20261205-233635-20167, -20261206-064345-22605. NVIDIA H200, compiled:
+    # 94.14 ± 0.12% (n=20, 18 reach 94%), 2.79 ± 0.24 s a run,
     # logs/fast94-20261204-163352-1899 (the lease before, only the net compiled: 94.08 ± 0.15%, 2.67 ± 0.19 s,
     # logs/fast94-20261204-101918-1831).
     # Same machine and seeds, the forms before: 8 epochs, the first 3 at 24 px (0.234 PF): 93.87 ± 0.15%
@@ -221,9 +223,10 @@ PRESETS = {
     # peak 9 per 1024 examples on a summed loss (kilostep scale 7851) is 0.587 here, weight decay 0.012 per 1024
     # examples is 2.67e-3 (decay per step 1.57e-3 at the peak). The whitening bias trains throughout at the plain
     # LR (the reference's freeze never triggers); lookahead from the start, its average copied into the net at
-    # the end only. Here (bf16, 2-core CPUs): 95.96 ± 0.13% (n=6: 96.15 on an AMX Xeon, 7,004 s; 95.89, 95.94,
-    # 95.84 on a Zen 4, 8,209-8,653 s; 95.85 and 96.07 on a Zen 5, 5,503 and 4,877 s), logs/fast96-20261201-191119-370,
-    # -20261203-195518-4029, -224917-7679, -20261204-015551-12482, -20261205-193008-20983, -215330-606: 0.04 short.
+    # the end only. Here (bf16, 2-core CPUs): 95.97 ± 0.12% (n=7: 96.15 on an AMX Xeon, 7,004 s; 95.89, 95.94,
+    # 95.84 on a Zen 4, 8,209-8,653 s; 95.85, 96.07 and 96.02 on a Zen 5, 5,503, 4,877 and 4,727 s),
+    # logs/fast96-20261201-191119-370, -20261203-195518-4029, -224917-7679, -20261204-015551-12482,
+    # -20261205-193008-20983, -215330-606, -20261206-051617-20356: 0.03 short.
     # NVIDIA H200, compiled: 95.95 ± 0.16% (n=9, 4 reach 96%), 24.6 ± 1.4 s a run, logs/fast96-20261204-163515-2040
     # and -163937-2863 (the lease before: 95.98 ± 0.08%, n=3, 22.5 ± 0.6 s, logs/fast96-20261204-102203-2565).
     "fast96": dict(
