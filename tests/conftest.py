@@ -29,6 +29,18 @@ def no_figures_left_open():
         pyplot.close("all")
 
 
+def figure_drawn(monkeypatch, draw):
+    """The last figure draw() closes, kept open to be inspected (the plotting code closes each figure it saves);
+    closed after all, so that they do not pile up across tests."""
+    import matplotlib.pyplot as plt
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", figures.append)
+    draw()
+    for fig in figures:
+        close(fig)
+    return figures[-1]
+
+
 def real_data_path():
     return os.environ.get("CIFAR10_NPZ") or os.path.join(ROOT, "..", "shared", "data", "cifar10.npz")
 

@@ -11,7 +11,7 @@ import pytest
 import core
 import plot_runs
 import train_cifar
-from conftest import synthetic
+from conftest import figure_drawn, synthetic
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -89,7 +89,7 @@ def test_a_log_without_a_target_is_drawn_without_its_line(logged, tmp_path, caps
     out = str(tmp_path / "x.png")
     target = log["config"]["target"]
     assert target is not None
-    fig = drawn_figure(monkeypatch, lambda: plot_runs.main([logged[0], "--out", out]))
+    fig = figure_drawn(monkeypatch, lambda: plot_runs.main([logged[0], "--out", out]))
     assert target_lines(fig) == pytest.approx([100 * target])
     for target in ("absent", None):
         if target == "absent":
@@ -98,7 +98,7 @@ def test_a_log_without_a_target_is_drawn_without_its_line(logged, tmp_path, caps
             log["config"]["target"] = None
         path = tmp_path / "no-target.json"
         path.write_text(json.dumps(log))
-        fig = drawn_figure(monkeypatch, lambda: plot_runs.main([str(path), "--out", out]))
+        fig = figure_drawn(monkeypatch, lambda: plot_runs.main([str(path), "--out", out]))
         assert os.path.exists(out) and target_lines(fig) == []
 
 
@@ -233,18 +233,6 @@ def copy_log(summary, path, **changes):
     return str(path)
 
 
-def drawn_figure(monkeypatch, draw):
-    """The figure draw() saves, kept from plt.close to be inspected (closed after all: it stays readable, and open
-    figures would pile up across tests)."""
-    import matplotlib.pyplot as plt
-    figures, close = [], plt.close
-    monkeypatch.setattr(plt, "close", figures.append)
-    draw()
-    for fig in figures:
-        close(fig)
-    return figures[-1]
-
-
 def legend_labels(fig):
     legends = fig.legends + [a.get_legend() for a in fig.axes if a.get_legend()]
     return [[t.get_text() for t in lg.get_texts()] for lg in legends]
@@ -260,7 +248,7 @@ def test_runs_of_different_logs_alike_are_told_apart(logged, tmp_path, capsys, m
     copied = copy_log(summary, tmp_path / "copy" / os.path.basename(logged[0]))
     ref = write_reference(tmp_path / "published.tsv", [(1, 0.5)])
     out = str(tmp_path / "runs.png")
-    fig = drawn_figure(monkeypatch, lambda: plot_runs.main([logged[0], rerun, copied, "--reference", ref,
+    fig = figure_drawn(monkeypatch, lambda: plot_runs.main([logged[0], rerun, copied, "--reference", ref,
                                                             "--out", out]))
     lines = capsys.readouterr().out.splitlines()
     header = lines[0].split()
@@ -295,7 +283,7 @@ def test_one_run_has_no_spread(logged, tmp_path, capsys, monkeypatch):
     """The std of one run is undefined, not 0: no ± in the table, no error bar in the plot."""
     summary = core.read_run_log(logged[0])
     single = copy_log(summary, tmp_path / "single.json", runs=summary["runs"][:1])
-    fig = drawn_figure(monkeypatch, lambda: plot_runs.main([single, "--x", "flops", "--out", str(tmp_path / "x.png")]))
+    fig = figure_drawn(monkeypatch, lambda: plot_runs.main([single, "--x", "flops", "--out", str(tmp_path / "x.png")]))
     out = capsys.readouterr().out
     assert f"resnet9: {100 * summary['runs'][0]['accuracy']:.2f}% (n=1) at " in out and "±" not in out
     (container,) = fig.axes[0].containers
@@ -316,14 +304,14 @@ def test_figures_stay_readable(logged, tmp_path, monkeypatch, copies):
         config = dict(summary["config"], cutout=i, batch_size=50 + i, weight_decay=0.0005 * i,
                       widths=[8 + i, 16, 16, 16], label_smoothing=0.05 * i)
         logs.append(copy_log(summary, tmp_path / f"resnet9-{i}.json", config=config))
-    fig = drawn_figure(monkeypatch, lambda: plot_runs.main(logs + ["--out", str(tmp_path / "runs.png")]))
+    fig = figure_drawn(monkeypatch, lambda: plot_runs.main(logs + ["--out", str(tmp_path / "runs.png")]))
     fig.canvas.draw()
     ax, ax2 = fig.axes
     assert not overlap(ax.title, ax2.title)
     legends = fig.legends + [a.get_legend() for a in fig.axes if a.get_legend()]
     assert legends and not any(overlap(lg, a) for lg in legends for a in (ax, ax2))
     assert all(a.get_position().width * fig.get_figwidth() > 4 for a in (ax, ax2))  # inches
-    fig = drawn_figure(monkeypatch, lambda: plot_runs.main(logs + ["--x", "flops", "--out", str(tmp_path / "f.png")]))
+    fig = figure_drawn(monkeypatch, lambda: plot_runs.main(logs + ["--x", "flops", "--out", str(tmp_path / "f.png")]))
     fig.canvas.draw()
     assert not any(overlap(lg, fig.axes[0]) for lg in fig.legends + [fig.axes[0].get_legend()] if lg)
     other = json.loads(json.dumps(summary))
@@ -407,7 +395,7 @@ def test_small_runs_show_their_flops_in_gf(logged, tmp_path, capsys, monkeypatch
     """73.4 GF a run was printed, and its axis ticked, as "0.000 PF"."""
     summary = core.read_run_log(logged[0])
     small = copy_log(summary, tmp_path / "small.json", train_flops_per_run=73.4e9)
-    fig = drawn_figure(monkeypatch, lambda: plot_runs.main([small, "--x", "flops", "--out", str(tmp_path / "f.png")]))
+    fig = figure_drawn(monkeypatch, lambda: plot_runs.main([small, "--x", "flops", "--out", str(tmp_path / "f.png")]))
     out = capsys.readouterr().out
     assert "(n=2) at 73.4 GF; " in out and "PF" not in out
     ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
@@ -454,7 +442,7 @@ def test_each_panel_draws_its_own_series(logged, tmp_path, monkeypatch):
     """Accuracy panel: each run's evaluated test accuracies (%); loss panel: its training losses, epoch by epoch,
     as the log's rows have them."""
     summary = core.read_run_log(logged[0])
-    fig = drawn_figure(monkeypatch, lambda: plot_runs.plot([summary], str(tmp_path / "runs.png")))
+    fig = figure_drawn(monkeypatch, lambda: plot_runs.plot([summary], str(tmp_path / "runs.png")))
     acc_lines, loss_lines = ([line for line in a.get_lines() if line.get_label().startswith("resnet9 seed")]
                              for a in fig.axes[:2])  # (not the target's line)
     assert len(acc_lines) == len(loss_lines) == len(summary["runs"])
@@ -517,7 +505,7 @@ def test_the_accuracy_axis_shows_the_target_above_every_run(logged, tmp_path, mo
         for row in run["epochs"]:
             row["test_acc"] = 0.96
     path = copy_log(summary, tmp_path / "high.json")
-    fig = drawn_figure(monkeypatch, lambda: plot_runs.main([path, "--out", str(tmp_path / "x.png")]))
+    fig = figure_drawn(monkeypatch, lambda: plot_runs.main([path, "--out", str(tmp_path / "x.png")]))
     assert target_lines(fig) == pytest.approx([94.0])
     assert fig.axes[0].get_ylim() == pytest.approx((94 - 1, 100))
 
@@ -551,7 +539,7 @@ def test_runs_of_one_configuration_share_a_colour_and_differ_in_line_style(logge
     longer["config"]["epochs"] = 4
     tricks = dict(json.loads(json.dumps(summary)), preset="resnet9-tricks")
     logs = [copy_log(s, tmp_path / f"log-{i}.json") for i, s in enumerate([summary, rerun, longer, tricks])]
-    fig = drawn_figure(monkeypatch, lambda: plot_runs.main(logs + ["--out", str(tmp_path / "runs.png")]))
+    fig = figure_drawn(monkeypatch, lambda: plot_runs.main(logs + ["--out", str(tmp_path / "runs.png")]))
     for ax in fig.axes[:2]:
         looks = {start: [(to_hex(line.get_color()), line.get_linestyle()) for line in ax.get_lines()
                          if line.get_label().startswith(start)]

@@ -13,7 +13,7 @@ import torch
 
 import core
 import study_data_echo as study
-from conftest import synthetic
+from conftest import figure_drawn, synthetic
 
 
 def test_plan_runs_the_baseline_once_per_seed():
@@ -508,13 +508,8 @@ def test_a_resume_does_not_train_again_a_run_that_missed_the_target(tmp_path, ca
 
 def plotted_axes(tmp_path, monkeypatch, records, r):
     """The two axes study.plot draws for these records and R, read off the figure it closes."""
-    import matplotlib.pyplot as plt
-    figures, close = [], plt.close
-    monkeypatch.setattr(plt, "close", figures.append)
-    study.plot(str(tmp_path), study.summarise(records, dict(R=r), overlap=True), "title")
-    for fig in figures:  # closed after all (the axes stay readable): open figures pile up across tests
-        close(fig)
-    return figures[-1].axes
+    summary = study.summarise(records, dict(R=r), overlap=True)
+    return figure_drawn(monkeypatch, lambda: study.plot(str(tmp_path), summary, "title")).axes
 
 
 def test_the_plot_draws_each_series_where_it_belongs(tmp_path, monkeypatch):
