@@ -1414,11 +1414,20 @@ def default_data_path():
     return os.environ.get("CIFAR10_DATA") or "./data"
 
 
+def run_result(run):
+    """One run's outcome as the summary states it."""
+    if run.get("accuracy") is not None:
+        return f"{100 * run['accuracy']:.2f}%"
+    return "diverged" if run.get("diverged") else "no result"
+
+
 def print_summary(s, log=print):
     n = s["runs_finished"]
     log(f"\n{s['preset']}: accuracy {core.format_mean_std(s['accuracy_mean'], s['accuracy_std'], n, 2, 100, '%')}"
         f" over {n} run{'s' if n != 1 else ''}; {s['runs_reaching_target']}/{n} reached "
         f"{100 * s['config']['target']:.1f}%")
+    if len(s["runs"]) > 1:  # which seed gave which result, so that one can be rerun or compared alone
+        log("per seed: " + ", ".join(f"{r['seed']}: {run_result(r)}" for r in s["runs"]))
     done = [r for r in s["runs"] if r.get("accuracy") is not None]
     stopped = sorted({r["stopped_after_epoch"] for r in done if r.get("stopped_after_epoch")})
     flops = f"training FLOPs {core.format_flops(s['train_flops_per_run'])} per run"
