@@ -416,6 +416,9 @@ def read_run_log(path):
     except OSError as e:
         raise LogError(f"cannot read {path}: {e.strerror}") from None
     except json.JSONDecodeError as e:
+        if path.endswith(".tsv"):  # the per-epoch table written beside each summary: an easy file to pass by mistake
+            raise LogError(f"{path} is a per-epoch table; pass the JSON summary beside it, "
+                           f"{path[:-len('.tsv')]}.json") from None
         raise LogError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); is the file truncated?") from None
     except UnicodeDecodeError:  # (a ValueError too: its message alone named no file)
         raise LogError(f"{path} is not a train_cifar.py log (not UTF-8 text)") from None

@@ -154,6 +154,15 @@ def test_read_run_log_names_the_file_and_what_is_wrong(tmp_path, content, messag
     assert core.read_run_log(str(path))["preset"] == "fast94"
 
 
+def test_read_run_log_points_from_a_per_epoch_table_to_its_summary(tmp_path):
+    """Each run writes NAME.tsv beside NAME.json; the tools read the JSON, so a TSV passed to them says which."""
+    path = tmp_path / "fast94-x.tsv"
+    path.write_text("run\tepoch\ttest_acc\n0\t1\t0.5\n")
+    with pytest.raises(core.LogError, match=re.escape(f"{path} is a per-epoch table; pass the JSON summary beside "
+                                                      f"it, {tmp_path / 'fast94-x.json'}")):
+        core.read_run_log(str(path))
+
+
 def strict_json(text):
     """Parse as RFC 8259 JSON: Python's own NaN, Infinity and -Infinity tokens are refused."""
     def refuse(token):
