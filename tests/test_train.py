@@ -1375,8 +1375,8 @@ def test_the_lars_option_builds_lars(tiny):
 
 
 def test_the_summary_pools_finished_runs_and_counts_those_that_reached_the_target():
-    """A diverged run is not pooled; time to target is averaged over the runs that reached it; the printed
-    line says the same numbers (statistics module as the reference)."""
+    """A diverged run (or one without a result) is not pooled; time to target is averaged over the runs that
+    reached it; the printed lines say the same numbers (statistics module as the reference) and each seed's."""
     import statistics
     cfg = train_cifar.make_config("fast94")
 
@@ -1384,7 +1384,7 @@ def test_the_summary_pools_finished_runs_and_counts_those_that_reached_the_targe
         return dict(seed=seed, accuracy=acc, epoch_reached_target=reached, total_time_s=total, time_to_target_s=ttt,
                     stopped_after_epoch=None)
     results = [run(0, 0.9412, 10, 400.0, 390.0), run(1, 0.9391, None, 410.0, None), run(2, 0.9430, 9, 420.0, 380.0),
-               dict(run(3, None, None, None, None), diverged=True)]
+               dict(run(3, None, None, None, None), diverged=True), run(4, None, None, None, None)]
     s = train_cifar.summarise(cfg, results, "cpu", "bf16", 1e12, 250, 2.65e14, "abc")
     assert s["runs_finished"] == 3 and s["runs_reaching_target"] == 2
     assert s["accuracy_mean"] == pytest.approx(statistics.mean([0.9412, 0.9391, 0.9430]))
@@ -1393,7 +1393,7 @@ def test_the_summary_pools_finished_runs_and_counts_those_that_reached_the_targe
     said = []
     train_cifar.print_summary(s, log=said.append)
     assert "accuracy 94.11 ± 0.20% over 3 runs; 2/3 reached 94.0%" in said[0]
-    assert said[1] == "per seed: 0: 94.12%, 1: 93.91%, 2: 94.30%, 3: diverged"
+    assert said[1] == "per seed: 0: 94.12%, 1: 93.91%, 2: 94.30%, 3: diverged, 4: no result"
     assert said[2].startswith("time: 410.0 ± 10.0 s per run, to target 385.0 s; training FLOPs 0.265 PF per run")
 
 
