@@ -8,6 +8,7 @@ import math
 import os
 import pickle
 import tarfile
+import time
 import zipfile
 import zlib
 
@@ -516,56 +517,148 @@ def matmul_conv_weight_grad(grad_out, x, k):
 
 
 class SmallMapConv(torch.autograd.Function):
-    """A bias-free k x k stride-1 'same' conv whose weight gradient is a matmul (grad_out^T @ im2col(x)) and,
-    with forward_by_matmul, whose forward and input gradient are too (the input gradient of a 'same' conv is the
-    conv of grad_out with the filters flipped and transposed). Inputs share one dtype (autocast is applied
-    by the caller); the input is unfolded again in the backward rather than kept (k*k times its size)."""
+    """A bias-free k x k stride-1 'same' conv whose forward, input gradient (dgrad) and weight gradient (wgrad)
+    each run as one matmul over the unfolded input where its flag says so, else by PyTorch's kernel. The
+    weight gradient is grad_out^T @ im2col(x); the input gradient of a 'same' conv is the conv of grad_out with
+    the filters flipped and transposed. Inputs share one dtype (autocast is applied by the caller); the input
+    is unfolded again in the backward rather than kept (k*k times its size)."""
 
     @staticmethod
-    def forward(ctx, x, weight, forward_by_matmul):
+    def forward(ctx, x, weight, fwd_by_matmul, dgrad_by_matmul=None, wgrad_by_matmul=True):
         ctx.save_for_backward(x, weight)
-        ctx.forward_by_matmul = forward_by_matmul
+        ctx.dgrad_by_matmul = fwd_by_matmul if dgrad_by_matmul is None else dgrad_by_matmul
+        ctx.wgrad_by_matmul = wgrad_by_matmul
         k = weight.shape[2]
-        return matmul_conv(x, weight) if forward_by_matmul else F.conv2d(x, weight, padding=k // 2)
+        return matmul_conv(x, weight) if fwd_by_matmul else F.conv2d(x, weight, padding=k // 2)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         k = weight.shape[2]
+        need_x, need_w = ctx.needs_input_grad[:2]
         grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            if ctx.forward_by_matmul:
-                grad_x = matmul_conv_input_grad(grad_out, weight)
-            else:
-                grad_x = torch.ops.aten.convolution_backward(
-                    grad_out, x, weight, None, [1, 1], [k // 2, k // 2], [1, 1], False, [0, 0], 1,
-                    [True, False, False])[0]
-        if ctx.needs_input_grad[1]:
+        by_onednn = [need_x and not ctx.dgrad_by_matmul, need_w and not ctx.wgrad_by_matmul]
+        if any(by_onednn):
+            grad_x, grad_w = torch.ops.aten.convolution_backward(
+                grad_out, x, weight, None, [1, 1], [k // 2, k // 2], [1, 1], False, [0, 0], 1,
+                by_onednn + [False])[:2]
+        if need_x and ctx.dgrad_by_matmul:
+            grad_x = matmul_conv_input_grad(grad_out, weight)
+        if need_w and ctx.wgrad_by_matmul:
             grad_w = matmul_conv_weight_grad(grad_out, x, k)
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None, None
 
 
-CPU_CONV_MODES = ("auto", "matmul", "onednn")
+CPU_CONV_MODES = ("auto", "tuned", "matmul", "onednn")
+CONV_PASSES = ("fwd", "dgrad", "wgrad")
 
 
 def resolve_cpu_conv(mode):
-    """The conv kernels a CPU run takes: "matmul" (SmallMapConv on small maps) or "onednn" (PyTorch's own). auto
-    takes the matmuls where the CPU has AMX, whose oneDNN small-map kernels are slow (above), and oneDNN elsewhere:
-    on an AVX-512-bf16 AMD EPYC (Zen 5) oneDNN's run the same convs at 0.35-0.97 TFLOP/s, near its matmul rate,
-    and the unfolding costs more than it saves (logs/bench_convs-fast94-2026-12-02T*, bench_presets-2026-12-02T*)."""
+    """The conv kernels a CPU run takes: "tuned" (per conv shape and pass the faster of the two, measured before
+    the timer: tune_small_map_convs), "matmul" (SmallMapConv on small maps by the fixed rule above) or "onednn"
+    (PyTorch's own). auto is tuned: which is faster depends on the CPU, not only on its features. The fixed
+    rule was measured on an AMX Xeon whose oneDNN small-map kernels are slow (model 207: conv time per fast94
+    step 3.32 -> 2.61 s); on an AVX-512-bf16 Zen 5 oneDNN's run near its matmul rate (logs/bench_convs-fast94-
+    2026-12-02T*, bench_presets-2026-12-02T*), and on another AMX Xeon (model 167) oneDNN's are faster than the
+    matmuls everywhere but the wgrad at 3x3 (logs/bench_convs-fast94-2026-12-06T*)."""
     if mode not in CPU_CONV_MODES:
         raise ValueError(f"cpu-conv must be one of {', '.join(CPU_CONV_MODES)}, not {mode!r}")
-    if mode != "auto":
-        return mode
-    return "matmul" if "amx_bf16" in (cpu_flags() or set()) else "onednn"
+    return "tuned" if mode == "auto" else mode
+
+
+# The tuned kernels: shape key -> (fwd, dgrad, wgrad by matmul), for this process (like cudnn.benchmark's cache).
+# A shape seen while recording and not tuned yet waits in _pending; untuned shapes take the fixed rule.
+_tuned_kernels = {}
+_pending = None
+TUNE_MARGIN = 0.9  # the matmul must take under 90% of oneDNN's time: near-ties keep PyTorch's kernel
+
+
+def conv_key(x, conv):
+    """(batch, in channels, height, width, out channels, kernel side): what a kernel's speed depends on."""
+    n, c, h, w = x.shape
+    return (n, c, h, w, conv.out_channels, conv.kernel_size[0])
+
+
+@contextlib.contextmanager
+def recording_small_map_shapes():
+    """Within: the small-map bf16 conv shapes that a tuned tb.Conv2d meets and that are not tuned yet are added
+    to the yielded set, for tune_small_map_convs."""
+    global _pending
+    outer, _pending = _pending, set()
+    try:
+        yield _pending
+    finally:
+        if outer is not None:
+            outer |= _pending
+        _pending = outer
+
+
+def time_conv_pass(fn, repeats):
+    """Fastest of `repeats` calls of fn() after one warm-up call, in seconds."""
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def conv_pass_calls(key, dtype=torch.bfloat16, generator=None):
+    """{pass: (oneDNN's call, the matmul's call)} on random channels-last data of this conv shape; each call is
+    named after its pass and kernel ("wgrad_matmul")."""
+    n, c, h, w, out_c, k = key
+    gen = generator or torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype).contiguous(memory_format=torch.channels_last)
+    x, weight, grad_out = randn(n, c, h, w), randn(out_c, c, k, k), randn(n, out_c, h, w)
+
+    def conv_backward(which):  # 0: the input's gradient, 1: the weights'
+        mask = [which == 0, which == 1, False]
+        return lambda: torch.ops.aten.convolution_backward(grad_out, x, weight, None, [1, 1], [k // 2, k // 2],
+                                                           [1, 1], False, [0, 0], 1, mask)[which]
+    calls = dict(fwd=(lambda: F.conv2d(x, weight, padding=k // 2), lambda: matmul_conv(x, weight)),
+                 dgrad=(conv_backward(0), lambda: matmul_conv_input_grad(grad_out, weight)),
+                 wgrad=(conv_backward(1), lambda: matmul_conv_weight_grad(grad_out, x, k)))
+    for name, (onednn, mm) in calls.items():
+        onednn.__name__, mm.__name__ = f"{name}_onednn", f"{name}_matmul"
+    return calls
+
+
+def tune_small_map_convs(keys, repeats=3, timer=time_conv_pass):
+    """Times each pass of each conv shape not tuned yet both ways (on random data; in a run before the timer)
+    and keeps the matmul where it takes under TUNE_MARGIN of oneDNN's time. Returns {key: {pass: (onednn_s,
+    matmul_s)}} for the shapes it timed."""
+    timings = {}
+    with torch.no_grad():
+        for key in sorted(set(keys) - set(_tuned_kernels)):
+            calls = conv_pass_calls(key)
+            timings[key] = {name: (timer(onednn, repeats), timer(mm, repeats)) for name, (onednn, mm) in calls.items()}
+            _tuned_kernels[key] = tuple(mm_s < TUNE_MARGIN * onednn_s for onednn_s, mm_s in timings[key].values())
+    return timings
+
+
+def tuned_kernels(keys=None):
+    """The tuned choices (of these shapes; default all so far), for a run's log:
+    {"2000x256x7x7->256 k3": "fwd onednn, dgrad onednn, wgrad matmul"}."""
+    keys = sorted(_tuned_kernels if keys is None else set(keys) & set(_tuned_kernels))
+    return {f"{'x'.join(map(str, key[:4]))}->{key[4]} k{key[5]}":
+            ", ".join(f"{name} {'matmul' if mm else 'onednn'}" for name, mm in zip(CONV_PASSES, _tuned_kernels[key]))
+            for key in keys}
+
+
+def forget_tuned_kernels():
+    _tuned_kernels.clear()
 
 
 class Conv2d(nn.Conv2d):
-    """nn.Conv2d that, on the CPU in bf16, computes a 3x3-style 'same' conv on a small map by matmul
-    (SmallMapConv), where that is measured faster; everywhere else, or with matmul_small_maps False
-    (--cpu-conv onednn), exactly nn.Conv2d. Same parameters and state dict as nn.Conv2d."""
+    """nn.Conv2d that, on the CPU in bf16, may compute a 3x3-style 'same' conv on a small map by matmul
+    (SmallMapConv): cpu_kernels "matmul" by the fixed rule above, "tuned" as measured faster on this CPU (the
+    fixed rule where a shape was not tuned); everywhere else, or with "onednn", exactly nn.Conv2d. Same
+    parameters and state dict as nn.Conv2d."""
 
-    matmul_small_maps = True
+    cpu_kernels = "matmul"
 
     def matmul_applies(self):
         """Whether SmallMapConv can compute this conv: bias-free, stride 1, odd square kernel, 'same' zero padding."""
@@ -575,14 +668,22 @@ class Conv2d(nn.Conv2d):
                 and self.padding_mode == "zeros")
 
     def small_map_mode(self, x):
-        """(forward_by_matmul,) when this call on x goes through SmallMapConv, else None."""
-        if not (self.matmul_small_maps and x.device.type == "cpu" and x.dim() == 4 and self.matmul_applies()):
+        """(fwd, dgrad, wgrad by matmul) when this call on x goes through SmallMapConv, else None."""
+        if not (self.cpu_kernels != "onednn" and x.device.type == "cpu" and x.dim() == 4 and self.matmul_applies()):
             return None
         dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
         pixels = x.shape[2] * x.shape[3]
         if dtype != torch.bfloat16 or pixels > WGRAD_MATMUL_MAX_PIXELS:
             return None
-        return (pixels <= FORWARD_MATMUL_MAX_PIXELS,)
+        if self.cpu_kernels == "tuned":
+            key = conv_key(x, self)
+            if _pending is not None and key not in _tuned_kernels:
+                _pending.add(key)
+            if key in _tuned_kernels:
+                flags = _tuned_kernels[key]
+                return flags if any(flags) else None
+        small = pixels <= FORWARD_MATMUL_MAX_PIXELS
+        return (small, small, True)
 
     def forward(self, x):
         mode = self.small_map_mode(x)

@@ -88,9 +88,10 @@ COMMON = dict(
     # trained on (never-trained ones first), so scoring costs nothing and the dropped ones are never augmented.
     select_fraction=1.0, select_by="proxy", proxy_widths=(32, 64, 64), proxy_every=4,
     # CPU, bf16: "matmul": 3x3 convs on small maps by matmul over the unfolded input (tb.Conv2d: weight gradients
-    # at 8x8 and smaller, forward and input gradients at 4x4 and smaller; measured faster on AMX CPUs), "onednn":
-    # PyTorch's own conv kernels everywhere, "auto": matmul where the CPU has AMX, else oneDNN
-    # (tb.resolve_cpu_conv; a CPU run logs the one it took). No effect on GPUs.
+    # at 8x8 and smaller, forward and input gradients at 4x4 and smaller; measured faster on an AMX Xeon),
+    # "onednn": PyTorch's own conv kernels everywhere, "tuned" (= "auto"): for each pass of each conv shape at 8x8
+    # and smaller the faster of the two, timed on this CPU before the timer (tb.resolve_cpu_conv; a CPU run logs
+    # the choices as cpu_conv_kernels). No effect on GPUs.
     cpu_conv="auto",
     # Progressive resizing: the side of the training images in each epoch (the last entry repeats; empty: 32
     # throughout). Crops and flips are drawn at 32 px and the batch is then resized (bilinear, antialiased), so
@@ -443,10 +444,10 @@ def build_model(cfg, device, train_x_nhwc=None, generator=None):
         sample = torch.randperm(len(train_x_nhwc), generator=generator, device=train_x_nhwc.device)[:5000]
         unpadded = train_x_nhwc[sample, p:train_x_nhwc.shape[1] - p, p:train_x_nhwc.shape[2] - p]
         model.init_whitening(unpadded.permute(0, 3, 1, 2))
-    matmul = tb.resolve_cpu_conv(cfg["cpu_conv"]) == "matmul"
+    kernels = tb.resolve_cpu_conv(cfg["cpu_conv"])
     for m in model.modules():
         if isinstance(m, tb.Conv2d):
-            m.matmul_small_maps = matmul
+            m.cpu_kernels = kernels
     return model.to(device).to(memory_format=torch.channels_last)
 
 
@@ -1183,9 +1184,10 @@ def evaluate(model, data, precision, device, tta, rank=0, world=1, tta_confidenc
 TABLE_COLUMNS = ["run", "epoch", "lr", "train_loss", "train_acc", "test_acc", "epoch_time", "total_time", "fresh"]
 
 
-def summarise(cfg, results, hardware, precision, flops_per_step, steps, flops_per_run, commit, data=None):
+def summarise(cfg, results, hardware, precision, flops_per_step, steps, flops_per_run, commit, data=None,
+              cpu_conv_kernels=None):
     """The JSON summary of a train() call; data: the dataset's fingerprint (sizes and checksums as loaded), which
-    --from-log compares."""
+    --from-log compares; cpu_conv_kernels: the kernels tuned for its small-map convs (tb.tuned_kernels)."""
     done = [r for r in results if r["accuracy"] is not None]
     acc_mean, acc_std = core.mean_std([r["accuracy"] for r in done])
     reached = [r for r in done if r["epoch_reached_target"] is not None]
@@ -1199,7 +1201,8 @@ def summarise(cfg, results, hardware, precision, flops_per_step, steps, flops_pe
         train_flops_per_step=flops_per_step, train_steps=steps, train_flops_per_run=flops_per_run, runs=results,
         accuracy_mean=acc_mean, accuracy_std=acc_std, runs_reaching_target=len(reached), runs_finished=len(done),
         total_time_mean_s=time_mean, total_time_std_s=time_std,
-        time_to_target_mean_s=ttt_mean, time_to_target_std_s=ttt_std)
+        time_to_target_mean_s=ttt_mean, time_to_target_std_s=ttt_std,
+        **({"cpu_conv_kernels": cpu_conv_kernels} if cpu_conv_kernels is not None else {}))
 
 
 def check_same_on_every_rank(cfg):
@@ -1249,6 +1252,20 @@ def host_reads_by_design(cfg, precision):
     if precision == "fp16" and cfg["loss_scale"] == "dynamic":  # GradScaler: an overflow flag every step
         reads.append("fp16's dynamic loss scale (--loss-scale dynamic)")
     return reads
+
+
+def tune_cpu_convs(shapes, log=print):
+    """Times both kernels of each small-map conv shape a run meets (tb.tune_small_map_convs, before the timer)
+    and returns the choices for its log: {shape: kernel per pass}."""
+    start = time.perf_counter()
+    tb.tune_small_map_convs(shapes)
+    kernels = tb.tuned_kernels(shapes)
+    if shapes:
+        took = [k for k, v in kernels.items() if "matmul" in v]
+        log(f"cpu-conv tuned: {len(shapes)} small-map conv shapes timed both ways in "
+            f"{time.perf_counter() - start:.1f} s (before the timer); the matmul wins for {len(took)} of them "
+            "(the log's cpu_conv_kernels)")
+    return kernels
 
 
 def logged_cpu_conv(mode, device):
@@ -1322,10 +1339,12 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
     # Warm-up outside the timer, on a throwaway net: a counted step at each image size (the run's FLOPs), then
     # a second at full size.
     warm = build_model(cfg, device, on_device["train_x"])
-    flops_per_step, steps, flops_per_run = run_flops(cfg, warm, make_optimizer(cfg, warm), device, precision,
-                                                     len(data["train_y"]))
-    train_flops(warm, device, precision, cfg["batch_size"])
+    with tb.recording_small_map_shapes() as conv_shapes:  # (the convs a tuned CPU run meets, timed below)
+        flops_per_step, steps, flops_per_run = run_flops(cfg, warm, make_optimizer(cfg, warm), device, precision,
+                                                         len(data["train_y"]))
+        train_flops(warm, device, precision, cfg["batch_size"])
     del warm
+    kernels = tune_cpu_convs(conv_shapes, log) if cfg["cpu_conv"] == "tuned" else None
 
     name = f"{cfg['preset']}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     tsv = json_path = None
@@ -1377,7 +1396,7 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
                 continue
             if json_path:  # rewritten after every run so a crash keeps the finished ones
                 core.write_json_atomic(json_path, summarise(cfg, results, hardware, precision, flops_per_step, steps,
-                                                            flops_per_run, commit, data_id))
+                                                            flops_per_run, commit, data_id, kernels))
     except (KeyboardInterrupt, RuntimeError) as e:  # Ctrl-C, SIGTERM under main(), or a lost peer: say what is kept
         if isinstance(e, RuntimeError) and not parallel.lost_peer(e):
             raise
@@ -1397,7 +1416,8 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
     finally:
         if progress:  # (an interrupted epoch leaves its line)
             progress.clear()
-        summary = summarise(cfg, results, hardware, precision, flops_per_step, steps, flops_per_run, commit, data_id)
+        summary = summarise(cfg, results, hardware, precision, flops_per_step, steps, flops_per_run, commit, data_id,
+                            kernels)
         if tsv:
             tsv.close()
         # No log where nothing trained: a run refused before its first epoch (say a checkpoint of another
@@ -1583,7 +1603,7 @@ OPTION_HELP = dict(
     compile="torch.compile the training step (compilation is outside the timer)",
     compile_mode="torch.compile mode: default, reduce-overhead (CUDA graphs), max-autotune(-no-cudagraphs)",
     sync_check="CUDA: fail on any host synchronisation inside the training steps (the loop never waits on the GPU)",
-    cpu_conv="CPU bf16 conv kernels: auto, matmul (small maps by matmul; faster with AMX) or onednn",
+    cpu_conv="CPU bf16 conv kernels: auto/tuned (the faster per small-map conv, timed first), matmul or onednn",
     # The net
     net="resnet9, resnet9_tricks, preact_resnet18, preact_resnet18_dup or fastnet",
     widths="channels of each block (fastnet: 3, the others: 4; none: the net's own)",

@@ -11,10 +11,10 @@ Random data of each conv's shape (layouts as in a run: channels-last, the autoca
 after a warm-up. dgrad is skipped where a run needs none (the first conv's input is the data), wgrad where the
 weights are frozen (the whitening conv), the matmul where SmallMapConv does not apply (strided or biased convs).
 The step totals add each part's kernel as a run with --cpu-conv matmul picks it (on any CPU), oneDNN's alone,
-and as a run with the default --cpu-conv auto picks it here (the former on AMX CPUs, the latter elsewhere; the
-log's cpu_conv_auto names which). Writes logs/bench_convs-*.json (seconds_per_step: oneDNN's;
-seconds_per_step_as_run and run_takes_matmul: auto's choice, as in the logs before the matmul mode's own totals,
-seconds_per_step_matmul_mode and matmul_mode_takes_matmul)."""
+and as the default --cpu-conv auto (tuned) would pick it by these timings. Writes logs/bench_convs-*.json
+(seconds_per_step: oneDNN's; seconds_per_step_as_run and run_takes_matmul: auto's choice, which in logs before
+2026-12-06 was the fixed matmul rule on AMX CPUs and oneDNN's elsewhere, as their cpu_conv_auto says;
+seconds_per_step_matmul_mode and matmul_mode_takes_matmul: the fixed rule's)."""
 import argparse
 import os
 import sys
@@ -112,7 +112,6 @@ def main():
                        width=10)
     results = []
     totals = {k: dict.fromkeys(parts, 0.0) for k in ("onednn", "matmul_mode", "as_run")}
-    auto_takes_matmul = info["cpu_conv_auto"] == "matmul"
     for name, module, in_shape, need_dgrad in conv_layers(model, device, a.image_size):
         flops, t = measure_conv(module, in_shape, need_dgrad, batch_size, tb.DTYPES[precision], device, a.repeats)
         t_mm = measure_conv(module, in_shape, need_dgrad, batch_size, tb.DTYPES[precision], device, a.repeats,
@@ -120,8 +119,11 @@ def main():
         with tb.autocast(precision, device):  # the kernels a run picks for each part (tb.Conv2d.small_map_mode)
             mode = module.small_map_mode(torch.empty(1, *in_shape, device=device)) if isinstance(
                 module, tb.Conv2d) else None
-        takes_mm = dict(fwd=bool(mode and mode[0]), dgrad=bool(mode and mode[0]), wgrad=mode is not None)
-        takes_mm = {p: v and t_mm[p] is not None for p, v in takes_mm.items()}
+        takes_mm = {p: bool(mode and mode[i]) and t_mm[p] is not None for i, p in enumerate(parts)}
+        # auto tunes: within the matmul's range, per pass the matmul where it takes under TUNE_MARGIN of oneDNN's
+        # time (a run times both itself before its timer; these timings stand in for that here)
+        tuned_mm = {p: mode is not None and t_mm[p] is not None and t[p] is not None
+                    and t_mm[p][0] < tb.TUNE_MARGIN * t[p][0] for p in parts}
         row = {"conv": name, "in": "x".join(map(str, in_shape)), "out": module.out_channels}
         for part in parts:
             mean_std, mm = t[part], t_mm[part]
@@ -130,20 +132,18 @@ def main():
             row[f"{part}_mm_ms"] = (f"{1e3 * mm[0]:.1f}" + ("*" if takes_mm[part] else "")) if mm else "-"
             totals["onednn"][part] += mean_std[0] if mean_std else 0.0
             totals["matmul_mode"][part] += (mm if takes_mm[part] else mean_std or (0.0,))[0]
-            totals["as_run"][part] += (mm if takes_mm[part] and auto_takes_matmul else mean_std or (0.0,))[0]
+            totals["as_run"][part] += (mm if tuned_mm[part] else mean_std or (0.0,))[0]
         table.row(row)
         results.append(dict(conv=name, input_shape=in_shape, out_channels=module.out_channels, flops=flops,
                             seconds=t, matmul_seconds=t_mm, matmul_mode_takes_matmul=takes_mm,
-                            run_takes_matmul={p: v and auto_takes_matmul for p, v in takes_mm.items()}))
+                            run_takes_matmul=tuned_mm))
     print("(* the kernel a run takes with --cpu-conv matmul)")
-    for which, label in (("onednn", "oneDNN's kernels alone"), ("matmul_mode", "as --cpu-conv matmul picks them")):
+    for which, label in (("onednn", "oneDNN's kernels alone"), ("matmul_mode", "as --cpu-conv matmul picks them"),
+                         ("as_run", "as --cpu-conv auto (tuned, the default) would pick them by these timings")):
         tot = totals[which]
         total = sum(tot.values())
         print(f"conv time per step, {label}: " + ", ".join(f"{k} {1e3 * v:.0f} ms ({100 * v / total:.0f}%)"
                                                            for k, v in tot.items()) + f"; all {1e3 * total:.0f} ms")
-    if info["cpu_conv_auto"]:
-        print(f"(--cpu-conv auto, the default, takes {info['cpu_conv_auto']} on this CPU: "
-              + ("it has AMX)" if info["cpu_conv_auto"] == "matmul" else "no AMX, so oneDNN's kernels alone)"))
     if a.log_dir:
         path = core.stamped_log_path(a.log_dir, f"bench_convs-{a.preset}", info["date"])
         core.write_json_atomic(path, dict(info, results=results, seconds_per_step=totals["onednn"],

@@ -61,7 +61,11 @@ def measure(preset, device, steps, repeats, compile=False, overrides=None, break
     if cfg["bn_group_size"]:  # ghost batch norm, as run_once sets it up
         parallel.convert_bn(model, cfg["bn_group_size"])
     step_fn = train_cifar.make_step_fn(cfg, model, world=1)  # compiled with --compile
-    flops_step, run_steps, flops_run = train_cifar.run_flops(cfg, model, opt, device, precision, N_TRAIN)
+    with tb.recording_small_map_shapes() as conv_shapes:  # (as a run does: its tuned CPU kernels, timed first)
+        flops_step, run_steps, flops_run = train_cifar.run_flops(cfg, model, opt, device, precision, N_TRAIN)
+    kernels = None
+    if tb.resolve_cpu_conv(cfg["cpu_conv"]) == "tuned" and device.type == "cpu":
+        kernels = train_cifar.tune_cpu_convs(conv_shapes)
     aug = tb.draw_augmentation(N_TRAIN, pad, cfg["cutout"], cfg["flip"] != "none", gen, device,
                                jitter=cfg["color_jitter"])
     sync = tb.synchronizer(device)
@@ -110,7 +114,8 @@ def measure(preset, device, steps, repeats, compile=False, overrides=None, break
                 img_per_s=(bs / per_step[0], bs * per_step[1] / per_step[0] ** 2),
                 tflop_per_s=(flops_run / est_time / 1e12, flops_run * est_std / est_time ** 2 / 1e12),
                 est_train_time_s=est_time, losses_finite=bool(torch.stack(losses).isfinite().all()),
-                seconds_per_step_by_size={kind_name(*kind): t for kind, t in seconds.items()})
+                seconds_per_step_by_size={kind_name(*kind): t for kind, t in seconds.items()},
+                cpu_conv_kernels=kernels)
     if breakdown:  # each part of a full-size step alone, synchronised: what the step's time is made of
         side = kinds[-1][0]
         x, y, _ = batch(0, drawn, side)

@@ -1,6 +1,8 @@
 """The matmul convolution for small maps (tb.SmallMapConv, tb.Conv2d) against PyTorch's own conv."""
 from unittest import mock
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,10 +21,13 @@ def reference(x, w):
     return y, x.grad, w.grad, probe
 
 
+ALL_KERNEL_CHOICES = list(itertools.product([False, True], repeat=3))  # (fwd, dgrad, wgrad by matmul)
+
+
 @pytest.mark.parametrize("k", [1, 3, 5])
-@pytest.mark.parametrize("forward_by_matmul", [False, True])
+@pytest.mark.parametrize("by_matmul", ALL_KERNEL_CHOICES)
 @pytest.mark.parametrize("channels_last", [False, True])
-def test_small_map_conv_matches_conv2d_in_float64(k, forward_by_matmul, channels_last):
+def test_small_map_conv_matches_conv2d_in_float64(k, by_matmul, channels_last):
     gen = torch.Generator().manual_seed(k)
     x = torch.randn(3, 5, 6, 4, generator=gen, dtype=torch.float64)  # a non-square map, 5 -> 7 channels
     w = torch.randn(7, 5, k, k, generator=gen, dtype=torch.float64)
@@ -30,37 +35,51 @@ def test_small_map_conv_matches_conv2d_in_float64(k, forward_by_matmul, channels
         x = x.contiguous(memory_format=torch.channels_last)
     y_ref, gx_ref, gw_ref, probe = reference(x, w)
     xs, ws = x.detach().requires_grad_(), w.detach().requires_grad_()
-    y = tb.SmallMapConv.apply(xs, ws, forward_by_matmul)
+    y = tb.SmallMapConv.apply(xs, ws, *by_matmul)
     (y * probe).sum().backward()
     for got, want in ((y, y_ref), (xs.grad, gx_ref), (ws.grad, gw_ref)):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
-def test_small_map_conv_passes_gradcheck():
+@pytest.mark.parametrize("by_matmul", ALL_KERNEL_CHOICES)
+def test_small_map_conv_passes_gradcheck(by_matmul):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 4, 4, generator=gen, dtype=torch.float64, requires_grad=True)
     w = torch.randn(4, 3, 3, 3, generator=gen, dtype=torch.float64, requires_grad=True)
-    for forward_by_matmul in (False, True):
-        assert torch.autograd.gradcheck(lambda a, b: tb.SmallMapConv.apply(a, b, forward_by_matmul), (x, w))
+    assert torch.autograd.gradcheck(lambda a, b: tb.SmallMapConv.apply(a, b, *by_matmul), (x, w))
+
+
+@pytest.mark.parametrize("by_matmul", ALL_KERNEL_CHOICES)
+def test_small_map_conv_takes_each_passs_kernel_as_told(by_matmul):
+    """Each pass calls the matmul where its flag says so and PyTorch's kernel otherwise, and nothing else."""
+    x = torch.randn(2, 3, 4, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 3, 3, 3, dtype=torch.float64, requires_grad=True)
+    spies = {name: mock.patch.object(tb, fn, wraps=getattr(tb, fn)) for name, fn in (
+        ("fwd", "matmul_conv"), ("dgrad", "matmul_conv_input_grad"), ("wgrad", "matmul_conv_weight_grad"))}
+    with spies["fwd"] as fwd, spies["dgrad"] as dgrad, spies["wgrad"] as wgrad:
+        tb.SmallMapConv.apply(x, w, *by_matmul).sum().backward()
+        # (the input gradient's matmul is itself a matmul_conv of the flipped filters)
+        assert (fwd.call_count, dgrad.call_count, wgrad.call_count) == (
+            by_matmul[0] + by_matmul[1], by_matmul[1], by_matmul[2])
 
 
 def layer_and_copy(c_in, c_out, matmul):
     conv = tb.Conv2d(c_in, c_out, 3, padding=1, bias=False)
-    conv.matmul_small_maps = matmul
+    conv.cpu_kernels = "matmul" if matmul else "onednn"
     plain = torch.nn.Conv2d(c_in, c_out, 3, padding=1, bias=False)
     plain.load_state_dict(conv.state_dict())
     return conv, plain
 
 
-@pytest.mark.parametrize("size, path", [(3, (True,)), (4, (True,)), (7, (False,)), (8, (False,)), (9, None),
-                                        (16, None)])
+@pytest.mark.parametrize("size, path", [(3, (True,) * 3), (4, (True,) * 3), (7, (False, False, True)),
+                                        (8, (False, False, True)), (9, None), (16, None)])
 def test_conv2d_takes_the_matmul_only_on_small_maps_in_bf16(size, path):
     conv, _ = layer_and_copy(8, 8, matmul=True)
     x = torch.randn(2, 8, size, size)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert conv.small_map_mode(x) == path
     assert conv.small_map_mode(x) is None  # fp32: not measured faster, so PyTorch's own kernels
-    conv.matmul_small_maps = False
+    conv.cpu_kernels = "onednn"
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert conv.small_map_mode(x) is None
     strided = tb.Conv2d(8, 8, 3, stride=2, padding=1, bias=False)
@@ -108,7 +127,7 @@ def test_build_model_sets_the_cpu_conv_mode_and_the_flop_count_stays():
         torch.manual_seed(0)
         model = train_cifar.build_model(cfg, torch.device("cpu"))
         convs = [m for m in model.modules() if isinstance(m, tb.Conv2d)]
-        assert convs and all(m.matmul_small_maps == (mode == "matmul") for m in convs)
+        assert convs and all(m.cpu_kernels == mode for m in convs)
         opt = train_cifar.make_optimizer(cfg, model)
         flops[mode] = train_cifar.step_flops(model, opt, torch.device("cpu"), "bf16", 8)
         x = torch.randn(8, 3, 32, 32).contiguous(memory_format=torch.channels_last)
@@ -124,32 +143,105 @@ def test_unknown_cpu_conv_mode_is_refused():
         train_cifar.check_config(train_cifar.make_config("fast94", cpu_conv="winograd"))
 
 
-@pytest.mark.parametrize("flags, kernels", [({"avx2", "avx512_bf16", "amx_bf16", "amx_tile"}, "matmul"),
-                                            ({"avx2", "avx512f", "avx512_bf16"}, "onednn"),
-                                            ({"avx2", "fma"}, "onednn"), (None, "onednn")])
-def test_auto_cpu_conv_takes_the_matmuls_only_on_amx_cpus(flags, kernels):
-    with mock.patch.object(tb, "cpu_flags", return_value=flags):
-        assert tb.resolve_cpu_conv("auto") == kernels
-        assert tb.resolve_cpu_conv("onednn") == "onednn" and tb.resolve_cpu_conv("matmul") == "matmul"
-        model = train_cifar.build_model(train_cifar.make_config("fast94", widths=(16, 32, 32)), torch.device("cpu"))
+def test_auto_cpu_conv_is_tuned_and_build_model_sets_every_conv():
+    assert tb.resolve_cpu_conv("auto") == "tuned"
+    assert [tb.resolve_cpu_conv(m) for m in ("tuned", "matmul", "onednn")] == ["tuned", "matmul", "onednn"]
+    model = train_cifar.build_model(train_cifar.make_config("fast94", widths=(16, 32, 32)), torch.device("cpu"))
     convs = [m for m in model.modules() if isinstance(m, tb.Conv2d)]
-    assert convs and all(m.matmul_small_maps == (kernels == "matmul") for m in convs)
+    assert convs and all(m.cpu_kernels == "tuned" for m in convs)
+
+
+@pytest.fixture
+def no_tuned_kernels():
+    tb.forget_tuned_kernels()
+    yield
+    tb.forget_tuned_kernels()
+
+
+def fake_timer(matmul_share):
+    """A timer for tune_small_map_convs: oneDNN's call takes 1 s, the matmul's matmul_share[pass] s."""
+    def timer(fn, repeats):
+        name, kernel = fn.__name__.split("_")
+        return matmul_share.get(name, 1.0) if kernel == "matmul" else 1.0
+    return timer
+
+
+def test_tuning_keeps_the_matmul_only_where_it_is_clearly_faster(no_tuned_kernels):
+    key = (4, 8, 3, 3, 8, 3)
+    timings = tb.tune_small_map_convs([key], repeats=1, timer=fake_timer(dict(fwd=0.5, dgrad=0.95, wgrad=1.5)))
+    assert timings == {key: dict(fwd=(1.0, 0.5), dgrad=(1.0, 0.95), wgrad=(1.0, 1.5))}
+    assert tb.tuned_kernels() == {"4x8x3x3->8 k3": "fwd matmul, dgrad onednn, wgrad onednn"}  # (0.95: a near-tie)
+    # a shape tuned once is not timed again
+    assert tb.tune_small_map_convs([key], timer=lambda fn, r: pytest.fail("timed twice")) == {}
+
+
+def test_a_tuned_conv_records_its_shapes_takes_the_tuned_kernels_and_else_the_fixed_rule(no_tuned_kernels):
+    conv, plain = layer_and_copy(8, 8, matmul=True)
+    conv.cpu_kernels = "tuned"
+    small, other = torch.randn(4, 8, 3, 3), torch.randn(2, 8, 4, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with tb.recording_small_map_shapes() as seen:
+            assert conv.small_map_mode(small) == (True, True, True)  # not tuned yet: the fixed rule
+            conv.small_map_mode(torch.randn(2, 8, 16, 16))  # too large a map to be worth timing
+        assert seen == {(4, 8, 3, 3, 8, 3)}
+        tb.tune_small_map_convs(seen, timer=fake_timer(dict(fwd=2.0, dgrad=2.0, wgrad=0.5)))
+        assert conv.small_map_mode(small) == (False, False, True)
+        assert conv.small_map_mode(other) == (True, True, True)
+        tb.tune_small_map_convs([(2, 8, 4, 4, 8, 3)], timer=fake_timer({}))  # oneDNN's faster in every pass
+        assert conv.small_map_mode(other) is None  # so plain nn.Conv2d
+        with mock.patch.object(tb.SmallMapConv, "apply", side_effect=AssertionError("matmul path taken")):
+            assert torch.equal(conv(other), plain(other))
+    with torch.autocast("cpu", dtype=torch.bfloat16), tb.recording_small_map_shapes() as seen:
+        conv.small_map_mode(small)
+    assert seen == set()  # tuned already
+
+
+def test_tuning_times_the_real_kernels_on_the_conv_shape(no_tuned_kernels):
+    """Each timed call computes its pass of a conv of that shape, oneDNN's and the matmul's alike."""
+    results = {}
+
+    def timer(fn, repeats):
+        results.setdefault("calls", []).append(fn())
+        return 1.0
+    tb.tune_small_map_convs([(2, 4, 3, 3, 6, 3)], timer=timer)
+    shapes = [tuple(r.shape) for r in results["calls"]]
+    assert shapes == [(2, 6, 3, 3)] * 2 + [(2, 4, 3, 3)] * 2 + [(6, 4, 3, 3)] * 2
+    for onednn, matmul in zip(results["calls"][::2], results["calls"][1::2]):
+        torch.testing.assert_close(matmul.float(), onednn.float(), rtol=0, atol=5e-2 * onednn.float().abs().max())
+
+
+def test_a_cpu_run_tunes_its_convs_before_the_timer_and_logs_the_choices(no_tuned_kernels, monkeypatch):
+    data = synthetic(64, 32)
+    tuned = []
+    monkeypatch.setattr(tb, "time_conv_pass", lambda fn, repeats: 1.0)
+    real_tune = tb.tune_small_map_convs
+    monkeypatch.setattr(tb, "tune_small_map_convs", lambda keys, **kw: tuned.append(set(keys)) or real_tune(
+        keys, timer=fake_timer(dict(wgrad=0.1))))
+    lines = []
+    summary = train_cifar.train("fast94", data=data, device="cpu", log=lines.append, log_dir=None,
+                                widths=(8, 16, 16), batch_size=32, epochs=1, train_sizes=(), precision="bf16")
+    # 32 px: blocks at 15, 7 and 3 px; the 7x7 and 3x3 convs of the last two blocks are small enough
+    assert tuned == [{(32, 16, 7, 7, 16, 3), (32, 16, 3, 3, 16, 3)}]
+    assert summary["config"]["cpu_conv"] == "tuned"
+    assert summary["cpu_conv_kernels"] == {"32x16x3x3->16 k3": "fwd onednn, dgrad onednn, wgrad matmul",
+                                           "32x16x7x7->16 k3": "fwd onednn, dgrad onednn, wgrad matmul"}
+    assert any(line.startswith("cpu-conv tuned: 2 small-map conv shapes") for line in lines)
 
 
 def test_a_run_logs_the_cpu_conv_kernels_it_took(tmp_path):
     """--cpu-conv auto is resolved before the run, so the logged config names the kernels, not 'auto'."""
     data = synthetic(64, 32)
-    for flags, kernels in (({"amx_bf16"}, "matmul"), ({"avx512_bf16"}, "onednn")):
-        with mock.patch.object(tb, "cpu_flags", return_value=flags):
-            summary = train_cifar.train("fast94", data=data, device="cpu", log=lambda *a: None, log_dir=None,
-                                        widths=(8, 16, 16), batch_size=32, epochs=1, train_sizes=(), precision="fp32")
-        assert summary["config"]["cpu_conv"] == kernels
+    for mode, logged in (("auto", "tuned"), ("matmul", "matmul"), ("onednn", "onednn")):
+        summary = train_cifar.train("fast94", data=data, device="cpu", log=lambda *a: None, log_dir=None,
+                                    widths=(8, 16, 16), batch_size=32, epochs=1, train_sizes=(), precision="fp32",
+                                    cpu_conv=mode)
+        assert summary["config"]["cpu_conv"] == logged
+        assert summary.get("cpu_conv_kernels") == ({} if logged == "tuned" else None)  # fp32: nothing to tune
 
 
 def test_a_gpu_run_logs_cpu_conv_as_given():
     """On a GPU the option does nothing (PyTorch's kernels run), so its log must not name the host CPU's choice:
     the H200 logs of 2026-12-04 said 'matmul'."""
-    with mock.patch.object(tb, "cpu_flags", return_value={"amx_bf16"}):
-        assert train_cifar.logged_cpu_conv("auto", torch.device("cpu")) == "matmul"
-        for mode in tb.CPU_CONV_MODES:
-            assert train_cifar.logged_cpu_conv(mode, torch.device("cuda:0")) == mode
+    assert train_cifar.logged_cpu_conv("auto", torch.device("cpu")) == "tuned"
+    for mode in tb.CPU_CONV_MODES:
+        assert train_cifar.logged_cpu_conv(mode, torch.device("cuda:0")) == mode

@@ -59,7 +59,7 @@ def tiny_npz(tmp_path, tiny):
     (["--proxy-every", "2"], "--proxy-every has no effect without --select-fraction below 1 and --select-by proxy"),
     (["--compile-mode", "reduce-overhead"], "--compile-mode has no effect without --compile true"),
     (["--warmup-epochs", "12"], "warmup-epochs 12 must end before the schedule does (epoch 10)"),
-    (["--cpu-conv", "winograd"], "cpu-conv must be one of auto, matmul, onednn"),
+    (["--cpu-conv", "winograd"], "cpu-conv must be one of auto, tuned, matmul, onednn"),
     (["--loss-scale", "-8"], "loss-scale must be batch, dynamic or a positive number"),
     (["--loss-scale", "dynamic", "--precision", "bf16"], "loss-scale dynamic is for fp16; this run is bf16"),
     (["--loss-scale", "64", "--precision", "fp32"], "loss-scale 64 is for fp16; this run is fp32"),
