@@ -50,7 +50,7 @@ def test_small_map_conv_passes_gradcheck(by_matmul):
 
 
 @pytest.mark.parametrize("by_matmul", ALL_KERNEL_CHOICES)
-def test_small_map_conv_takes_each_passs_kernel_as_told(by_matmul):
+def test_small_map_conv_runs_each_pass_by_the_kernel_it_is_told(by_matmul):
     """Each pass calls the matmul where its flag says so and PyTorch's kernel otherwise, and nothing else."""
     x = torch.randn(2, 3, 4, 4, dtype=torch.float64, requires_grad=True)
     w = torch.randn(4, 3, 3, 3, dtype=torch.float64, requires_grad=True)
