@@ -524,10 +524,9 @@ class SmallMapConv(torch.autograd.Function):
     is unfolded again in the backward rather than kept (k*k times its size)."""
 
     @staticmethod
-    def forward(ctx, x, weight, fwd_by_matmul, dgrad_by_matmul=None, wgrad_by_matmul=True):
+    def forward(ctx, x, weight, fwd_by_matmul, dgrad_by_matmul, wgrad_by_matmul):
         ctx.save_for_backward(x, weight)
-        ctx.dgrad_by_matmul = fwd_by_matmul if dgrad_by_matmul is None else dgrad_by_matmul
-        ctx.wgrad_by_matmul = wgrad_by_matmul
+        ctx.dgrad_by_matmul, ctx.wgrad_by_matmul = dgrad_by_matmul, wgrad_by_matmul
         k = weight.shape[2]
         return matmul_conv(x, weight) if fwd_by_matmul else F.conv2d(x, weight, padding=k // 2)
 
@@ -571,6 +570,11 @@ def resolve_cpu_conv(mode):
 _tuned_kernels = {}
 _pending = None
 TUNE_MARGIN = 0.9  # the matmul must take under 90% of oneDNN's time: near-ties keep PyTorch's kernel
+
+
+def matmul_wins(onednn_s, matmul_s):
+    """The tuning's rule for one pass: take the matmul only where it is clearly faster."""
+    return matmul_s < TUNE_MARGIN * onednn_s
 
 
 def conv_key(x, conv):
@@ -628,14 +632,14 @@ def conv_pass_calls(key, dtype=torch.bfloat16, generator=None):
 
 def tune_small_map_convs(keys, repeats=3, timer=time_conv_pass):
     """Times each pass of each conv shape not tuned yet both ways (on random data; in a run before the timer)
-    and keeps the matmul where it takes under TUNE_MARGIN of oneDNN's time. Returns {key: {pass: (onednn_s,
+    and keeps the matmul where it wins (matmul_wins). Returns {key: {pass: (onednn_s,
     matmul_s)}} for the shapes it timed."""
     timings = {}
     with torch.no_grad():
         for key in sorted(set(keys) - set(_tuned_kernels)):
             calls = conv_pass_calls(key)
             timings[key] = {name: (timer(onednn, repeats), timer(mm, repeats)) for name, (onednn, mm) in calls.items()}
-            _tuned_kernels[key] = tuple(mm_s < TUNE_MARGIN * onednn_s for onednn_s, mm_s in timings[key].values())
+            _tuned_kernels[key] = tuple(matmul_wins(*pair) for pair in timings[key].values())
     return timings
 
 

@@ -120,10 +120,10 @@ def main():
             mode = module.small_map_mode(torch.empty(1, *in_shape, device=device)) if isinstance(
                 module, tb.Conv2d) else None
         takes_mm = {p: bool(mode and mode[i]) and t_mm[p] is not None for i, p in enumerate(parts)}
-        # auto tunes: within the matmul's range, per pass the matmul where it takes under TUNE_MARGIN of oneDNN's
-        # time (a run times both itself before its timer; these timings stand in for that here)
+        # auto tunes: within the matmul's range, per pass the matmul where it wins (tb.matmul_wins; a run times
+        # both itself before its timer, these timings stand in for that here)
         tuned_mm = {p: mode is not None and t_mm[p] is not None and t[p] is not None
-                    and t_mm[p][0] < tb.TUNE_MARGIN * t[p][0] for p in parts}
+                    and tb.matmul_wins(t[p][0], t_mm[p][0]) for p in parts}
         row = {"conv": name, "in": "x".join(map(str, in_shape)), "out": module.out_channels}
         for part in parts:
             mean_std, mm = t[part], t_mm[part]
