@@ -566,7 +566,8 @@ def resolve_cpu_conv(mode):
 
 
 # The tuned kernels: shape key -> (fwd, dgrad, wgrad by matmul), for this process (like cudnn.benchmark's cache).
-# A shape seen while recording and not tuned yet waits in _pending; untuned shapes take the fixed rule.
+# A shape seen while recording and not tuned yet waits in _pending; an untuned shape takes the choice for the
+# same conv at the nearest batch size tuned, else the fixed rule.
 _tuned_kernels = {}
 _pending = None
 TUNE_MARGIN = 0.9  # the matmul must take under 90% of oneDNN's time: near-ties keep PyTorch's kernel
@@ -652,15 +653,29 @@ def tuned_kernels(keys=None):
             for key in keys}
 
 
+def tuned_kernel_flags():
+    """The choices so far as {shape key: (fwd, dgrad, wgrad by matmul)}: what a checkpoint keeps."""
+    return dict(_tuned_kernels)
+
+
+def use_tuned_kernels(flags):
+    """Takes these choices (a checkpoint's) over this process's, so that a resumed run computes as it started
+    (kernels round differently). Returns the shapes where they differ from what was tuned here."""
+    flags = {tuple(key): tuple(bool(f) for f in choice) for key, choice in flags.items()}
+    differ = sorted(key for key, choice in flags.items() if _tuned_kernels.get(key, choice) != choice)
+    _tuned_kernels.update(flags)
+    return differ
+
+
 def forget_tuned_kernels():
     _tuned_kernels.clear()
 
 
 class Conv2d(nn.Conv2d):
     """nn.Conv2d that, on the CPU in bf16, may compute a 3x3-style 'same' conv on a small map by matmul
-    (SmallMapConv): cpu_kernels "matmul" by the fixed rule above, "tuned" as measured faster on this CPU (the
-    fixed rule where a shape was not tuned); everywhere else, or with "onednn", exactly nn.Conv2d. Same
-    parameters and state dict as nn.Conv2d."""
+    (SmallMapConv): cpu_kernels "matmul" by the fixed rule above, "tuned" as measured faster on this CPU (for
+    a batch size not tuned, as tuned at the nearest one; the fixed rule for a conv not tuned at all); everywhere
+    else, or with "onednn", exactly nn.Conv2d. Same parameters and state dict as nn.Conv2d."""
 
     cpu_kernels = "matmul"
 
@@ -683,8 +698,10 @@ class Conv2d(nn.Conv2d):
             key = conv_key(x, self)
             if _pending is not None and key not in _tuned_kernels:
                 _pending.add(key)
-            if key in _tuned_kernels:
-                flags = _tuned_kernels[key]
+            # else the same conv tuned at the nearest batch size (an evaluation's batches are not timed)
+            same_conv = [k for k in _tuned_kernels if k[1:] == key[1:]]
+            if same_conv:
+                flags = _tuned_kernels[min(same_conv, key=lambda k: (abs(k[0] - key[0]), k[0]))]
                 return flags if any(flags) else None
         small = pixels <= FORWARD_MATMUL_MAX_PIXELS
         return (small, small, True)

@@ -91,7 +91,7 @@ COMMON = dict(
     # at 8x8 and smaller, forward and input gradients at 4x4 and smaller; measured faster on an AMX Xeon),
     # "onednn": PyTorch's own conv kernels everywhere, "tuned" (= "auto"): for each pass of each conv shape at 8x8
     # and smaller the faster of the two, timed on this CPU before the timer (tb.resolve_cpu_conv; a CPU run logs
-    # the choices as cpu_conv_kernels). No effect on GPUs.
+    # the choices as cpu_conv_kernels; a resumed run keeps its checkpoint's). No effect on GPUs.
     cpu_conv="auto",
     # Progressive resizing: the side of the training images in each epoch (the last entry repeats; empty: 32
     # throughout). Crops and flips are drawn at 32 px and the batch is then resized (bilinear, antialiased), so
@@ -956,7 +956,8 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
         parallel.convert_bn(model, cfg["bn_group_size"])
     if world > 1 and cfg["sync_bn_group_size"]:
         parallel.convert_sync_bn(model, parallel.bn_process_groups(world, cfg["sync_bn_group_size"]))
-    state = None
+    # a resumed run keeps the conv kernels it was tuned with (they round differently): bit for bit as if uninterrupted
+    tuned_convs, state, kept_kernels = tb.resolve_cpu_conv(cfg["cpu_conv"]) == "tuned", None, []
     if checkpoint and os.path.exists(checkpoint):
         state = load_checkpoint(checkpoint, device)
         why = checkpoint_mismatch(state, cfg, seed, precision, fingerprint)
@@ -967,6 +968,8 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         scaler.load_state_dict(state["scaler"])
+        if tuned_convs and state.get("cpu_conv_kernels"):  # (before compiling, which reads them)
+            kept_kernels = tb.use_tuned_kernels(state["cpu_conv_kernels"])
     if cfg["compile"]:  # building the net and fitting the whitening stay timed; compiling does not
         timer()
         t = time.perf_counter()
@@ -1016,6 +1019,9 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
         timer(include_in_total=False)
         timer.total = state["timer_total"]
         log(f"resumed from {checkpoint} after epoch {state['epoch']} ({timer.total:.1f} s trained)")
+        if kept_kernels:
+            log(f"cpu-conv: {len(kept_kernels)} small-map conv shape(s) keep the kernels the run was tuned with, "
+                "not this machine's choice, so that it computes as if uninterrupted (the log's cpu_conv_kernels)")
         for row in rows:  # so this invocation's table and TSV hold the whole run, not only what it trained
             if on_epoch:
                 on_epoch(row)
@@ -1133,6 +1139,7 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
                             lookahead=lookahead.avg if lookahead else None,
                             ema=ema.avg if ema is not None else None,
                             proxy=proxy.state_dict() if proxy is not None else None, history=history,
+                            cpu_conv_kernels=tb.tuned_kernel_flags() if tuned_convs else None,
                             gen=gen.get_state(), stream=stream.state_dict(), step=step, epoch=epoch,
                             # a run stopped early goes on later without its final evaluation's time
                             timer_total=trained if truncated else timer.total, result=result), tmp)
@@ -1344,7 +1351,11 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
                                                          len(data["train_y"]))
         train_flops(warm, device, precision, cfg["batch_size"])
     del warm
-    kernels = tune_cpu_convs(conv_shapes, log) if cfg["cpu_conv"] == "tuned" else None
+    if cfg["cpu_conv"] == "tuned":
+        tune_cpu_convs(conv_shapes, log)
+
+    def kernels():  # read as each log is written: a resumed run takes the choices its checkpoint holds
+        return tb.tuned_kernels(conv_shapes) if cfg["cpu_conv"] == "tuned" else None
 
     name = f"{cfg['preset']}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     tsv = json_path = None
@@ -1396,7 +1407,7 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
                 continue
             if json_path:  # rewritten after every run so a crash keeps the finished ones
                 core.write_json_atomic(json_path, summarise(cfg, results, hardware, precision, flops_per_step, steps,
-                                                            flops_per_run, commit, data_id, kernels))
+                                                            flops_per_run, commit, data_id, kernels()))
     except (KeyboardInterrupt, RuntimeError) as e:  # Ctrl-C, SIGTERM under main(), or a lost peer: say what is kept
         if isinstance(e, RuntimeError) and not parallel.lost_peer(e):
             raise
@@ -1417,7 +1428,7 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
         if progress:  # (an interrupted epoch leaves its line)
             progress.clear()
         summary = summarise(cfg, results, hardware, precision, flops_per_step, steps, flops_per_run, commit, data_id,
-                            kernels)
+                            kernels())
         if tsv:
             tsv.close()
         # No log where nothing trained: a run refused before its first epoch (say a checkpoint of another

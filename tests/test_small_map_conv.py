@@ -187,6 +187,10 @@ def test_a_tuned_conv_records_its_shapes_takes_the_tuned_kernels_and_else_the_fi
         tb.tune_small_map_convs(seen, timer=fake_timer(dict(fwd=2.0, dgrad=2.0, wgrad=0.5)))
         assert conv.small_map_mode(small) == (False, False, True)
         assert conv.small_map_mode(other) == (True, True, True)
+        # the same conv at a batch size not tuned (an evaluation's): as tuned at the nearest batch size
+        tb.tune_small_map_convs([(9, 8, 3, 3, 8, 3)], timer=fake_timer(dict(fwd=0.5)))
+        assert conv.small_map_mode(torch.randn(2, 8, 3, 3)) == (False, False, True)
+        assert conv.small_map_mode(torch.randn(8, 8, 3, 3)) == (True, False, False)
         tb.tune_small_map_convs([(2, 8, 4, 4, 8, 3)], timer=fake_timer({}))  # oneDNN's faster in every pass
         assert conv.small_map_mode(other) is None  # so plain nn.Conv2d
         with mock.patch.object(tb.SmallMapConv, "apply", side_effect=AssertionError("matmul path taken")):
@@ -245,3 +249,34 @@ def test_a_gpu_run_logs_cpu_conv_as_given():
     assert train_cifar.logged_cpu_conv("auto", torch.device("cpu")) == "tuned"
     for mode in tb.CPU_CONV_MODES:
         assert train_cifar.logged_cpu_conv(mode, torch.device("cuda:0")) == mode
+
+
+def test_a_resumed_tuned_run_keeps_the_kernels_it_was_tuned_with(no_tuned_kernels, monkeypatch, tmp_path):
+    """A run stopped after epoch 1 and resumed where the tuning would choose otherwise ends with the weights of
+    the run uninterrupted (the matmul and oneDNN's kernels round differently in bf16) and logs the kernels it
+    ran."""
+    data = synthetic(64, 32)
+    matmul_share = {}  # the fake timings: empty, oneDNN's kernels win every pass
+    real_tune = tb.tune_small_map_convs
+    monkeypatch.setattr(tb, "tune_small_map_convs", lambda keys, **kw: real_tune(keys, timer=fake_timer(matmul_share)))
+
+    def run(share, checkpoint, **options):
+        """The net's final weights (from its checkpoint), the logged kernels and the console lines."""
+        tb.forget_tuned_kernels()  # each invocation a fresh process
+        matmul_share.clear()
+        matmul_share.update(share)
+        lines = []
+        summary = train_cifar.train("fast94", data=data, device="cpu", log=lines.append, log_dir=None,
+                                    widths=(8, 32, 32), batch_size=32, epochs=2, train_sizes=(), precision="bf16",
+                                    checkpoint=str(tmp_path / checkpoint), **options)
+        return torch.load(tmp_path / checkpoint, weights_only=False)["model"], summary["cpu_conv_kernels"], lines
+    by_matmul = dict(fwd=0.1, dgrad=0.1, wgrad=0.1)
+    full, full_kernels, _ = run(by_matmul, "full.pt")
+    run(by_matmul, "run.pt", stop_after_epochs=1)
+    resumed, kernels, lines = run({}, "run.pt")
+    by_onednn, onednn_kernels, _ = run({}, "onednn.pt")
+    assert all(torch.equal(resumed[k], full[k]) for k in full)
+    assert not all(torch.equal(by_onednn[k], full[k]) for k in full)
+    assert kernels == full_kernels != onednn_kernels
+    assert set(full_kernels.values()) == {"fwd matmul, dgrad matmul, wgrad matmul"}
+    assert any(line.startswith("cpu-conv: 2 small-map conv shape(s) keep the kernels") for line in lines)
