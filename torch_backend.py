@@ -698,10 +698,12 @@ class Conv2d(nn.Conv2d):
             key = conv_key(x, self)
             if _pending is not None and key not in _tuned_kernels:
                 _pending.add(key)
-            # else the same conv tuned at the nearest batch size (an evaluation's batches are not timed)
-            same_conv = [k for k in _tuned_kernels if k[1:] == key[1:]]
-            if same_conv:
-                flags = _tuned_kernels[min(same_conv, key=lambda k: (abs(k[0] - key[0]), k[0]))]
+            flags = _tuned_kernels.get(key)
+            if flags is None:  # the same conv tuned at the nearest batch size (an evaluation's are not timed)
+                same_conv = [k for k in _tuned_kernels if k[1:] == key[1:]]
+                if same_conv:
+                    flags = _tuned_kernels[min(same_conv, key=lambda k: (abs(k[0] - key[0]), k[0]))]
+            if flags is not None:
                 return flags if any(flags) else None
         small = pixels <= FORWARD_MATMUL_MAX_PIXELS
         return (small, small, True)
