@@ -6,8 +6,8 @@ and compare two series: is a variant better, or within the noise?
 
 For each series: the logs and finished runs pooled, their seeds, final test accuracy (mean ± sample std, and the
 standard error of the mean), how many reach the target and how far the mean is from it (95% interval), training
-FLOPs, the time per run on each machine it ran on (times on different hardware are not pooled), and the commits
-its logs ran at. For two: the difference of mean accuracies (B - A) with Welch's standard error and 95%
+FLOPs, the time per run on each machine it ran on (times on different hardware are not pooled; where it ran on
+several, each machine's accuracy too), and the commits its logs ran at. For two: the difference of mean accuracies (B - A) with Welch's standard error and 95%
 interval, and, over the seeds both series ran, the paired difference (each seed's luck in data order and
 initialisation cancels, so it is the sharper test when the runs were made as pairs). Reads the JSON summaries
 train_cifar.py writes.
@@ -101,8 +101,9 @@ def summary(s):
     runs = s["runs"]
     acc = [100 * r["accuracy"] for r in runs]
     mean, std = core.mean_std(acc)
-    times = {}  # seconds per run on each machine: times on different hardware do not pool
+    times, accuracies = {}, {}  # per machine: times on different hardware do not pool
     for r in runs:
+        accuracies.setdefault(str(r["hardware"]), []).append(100 * r["accuracy"])
         if r.get("total_time_s") is not None:
             times.setdefault(str(r["hardware"]), []).append(r["total_time_s"])
     reached = [r for r in runs if r["target"] is not None and r["accuracy"] >= r["target"]]
@@ -112,7 +113,8 @@ def summary(s):
     return dict(n=len(runs), seeds=seed_ranges([r["seed"] for r in runs]), mean=mean, std=std, commits=commits,
                 se=std / math.sqrt(len(runs)) if len(runs) > 1 else math.nan, reached=len(reached),
                 targets=sorted({r["target"] for r in runs if r["target"] is not None}),
-                flops=flops, hardware={h: times.get(h, []) for h in sorted({str(r["hardware"]) for r in runs})})
+                flops=flops, hardware={h: times.get(h, []) for h in sorted(accuracies)},
+                accuracy_by_hardware={h: accuracies[h] for h in sorted(accuracies)})
 
 
 def paired_runs(a, b):
@@ -139,12 +141,17 @@ def describe(name, s, out=print):
         out(f"  mean - target {gap:+.2f} points (95% interval {gap - half:+.2f} to {gap + half:+.2f})")
     if m["flops"]:
         out("  training FLOPs " + " / ".join(core.format_flops(f) for f in m["flops"]) + " a run")
+    several = len(m["hardware"]) > 1  # then each machine's accuracy too: do its kernels, rounding otherwise, tell?
     for h, times in m["hardware"].items():
+        accuracies = m["accuracy_by_hardware"][h]
+        runs = f"{len(accuracies)} run{'s' if len(accuracies) > 1 else ''}"
+        if several:
+            runs += ", " + core.format_mean_std(*core.mean_std(accuracies), len(accuracies), 2, unit="%")
         mean_time, std_time = core.mean_std(times)
         if len(times) > 1:
-            out(f"  on {h}: {len(times)} runs, {mean_time:.1f} ± {std_time:.1f} s a run")
+            out(f"  on {h}: {runs}, {mean_time:.1f} ± {std_time:.1f} s a run")
         else:
-            out(f"  on {h}: " + (f"1 run, {mean_time:.1f} s" if times else "no times logged"))
+            out(f"  on {h}: {runs}, " + (f"{mean_time:.1f} s" if times else "no times logged"))
     shown = m["commits"] if len(m["commits"]) <= 8 else m["commits"][:4] + ["..."] + m["commits"][-2:]
     out(f"  code: {len(m['commits'])} commit(s), {', '.join(shown)}"
         + (" (a seed may round otherwise across them: see train_cifar.py --from-log)"

@@ -197,6 +197,29 @@ def test_one_run_has_no_spread_and_small_runs_keep_their_flops(real_log, tmp_pat
     assert compare_runs.summary(compare_runs.series([one, other], allow_mixed=True))["flops"] == [73.4e9, 146.8e9]
 
 
+def test_each_machine_gets_its_own_accuracy_where_a_series_ran_on_several(real_log, tmp_path, capsys):
+    """Do a machine's kernels, which round otherwise, move the accuracy? Each machine's line gives its own runs'
+    mean ± std (and a lone run's accuracy); a series on one machine keeps the pooled line only."""
+    fast = write_log(tmp_path, real_log, "fast", [(0, 0.9601), (1, 0.9615), (2, 0.9589)])
+    slow = write_log(tmp_path, real_log, "slow", [(3, 0.9580), (4, 0.9596)])
+    lone = write_log(tmp_path, real_log, "lone", [(5, 0.9622)])
+    for path, hardware in ((slow, "machine B"), (lone, "machine C")):
+        log = json.loads(open(path).read())
+        open(path, "w").write(json.dumps(dict(log, hardware=hardware)))
+    m = compare_runs.summary(compare_runs.series([fast, slow, lone]))
+    wanted = {real_log["hardware"]: [96.01, 96.15, 95.89], "machine B": [95.80, 95.96], "machine C": [96.22]}
+    assert m["accuracy_by_hardware"].keys() == wanted.keys()
+    assert all(m["accuracy_by_hardware"][h] == pytest.approx(wanted[h]) for h in wanted)
+    assert compare_runs.main([fast, slow, lone]) == 0
+    out = capsys.readouterr().out
+    for values in ([96.01, 96.15, 95.89], [95.80, 95.96]):
+        assert f"{len(values)} runs, {statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}%, " in out
+    assert "on machine C: 1 run, 96.22%, 15.0 s\n" in out
+    assert compare_runs.main([fast]) == 0
+    out = capsys.readouterr().out
+    assert f"on {real_log['hardware']}: 3 runs, 11.0 ± 1.0 s a run\n" in out  # no second accuracy for one machine
+
+
 def test_process_counts_are_told_apart_from_hardware(real_log, tmp_path, capsys):
     """1 process against 2 on one machine was labelled "on different hardware" and lost its time comparison:
     train_cifar.py writes the hardware of 2 processes as "2 processes x <device>"."""
