@@ -7,10 +7,10 @@ and compare two series: is a variant better, or within the noise?
 For each series: the logs and finished runs pooled, their seeds, final test accuracy (mean ± sample std, and the
 standard error of the mean), how many reach the target and how far the mean is from it (95% interval), training
 FLOPs, the time per run on each machine it ran on (times on different hardware are not pooled; where it ran on
-several, each machine's accuracy too), and the commits its logs ran at. For two: the difference of mean accuracies (B - A) with Welch's standard error and 95%
-interval, and, over the seeds both series ran, the paired difference (each seed's luck in data order and
-initialisation cancels, so it is the sharper test when the runs were made as pairs). Reads the JSON summaries
-train_cifar.py writes.
+several, each machine's accuracy too), and the commits its logs ran at. For two: the difference of mean
+accuracies (B - A) with Welch's standard error and 95% interval, and, over the seeds both series ran, the paired
+difference (each seed's luck in data order and initialisation cancels, so it is the sharper test when the runs
+were made as pairs). Reads the JSON summaries train_cifar.py writes.
 
 Runs pool only when their logs share a recipe: logs whose hyper-parameters differ (epochs, widths, ...) are an
 error naming the difference, unless --allow-mixed. Seeds, hardware, compilation and the like do not count."""
