@@ -381,10 +381,11 @@ PREDATED_VALUES = {
     "bn_group_size": 0, "sync_bn_group_size": 0, "allreduce_group_size": 0, "block_epochs": [],
     # what ran before the option named it: SGD, the device pipeline, the proxy that scored candidates, two convs a
     # block, FastNet's fixed BN momentum, the whitening bias among the fast biases, lookahead synced every epoch,
-    # 5 Newton-Schulz steps, F.conv2d (oneDNN's kernels) on CPUs, GradScaler in fp16, torch.compile's default mode
+    # 5 Newton-Schulz steps, F.conv2d (oneDNN's kernels) on CPUs, GradScaler in fp16, torch.compile's default mode,
+    # evaluation in the run's own precision
     "optimizer": "sgd", "pipeline": "device", "select_by": "proxy", "block_depth": 2, "bn_momentum": 0.4,
     "whiten_bias_fast": True, "lookahead_sync": "epoch", "muon_ns_steps": 5, "cpu_conv": "onednn",
-    "loss_scale": "dynamic", "compile_mode": "default",
+    "loss_scale": "dynamic", "compile_mode": "default", "eval_precision": "same",
 }
 # Options some committed logs predate that came with something those runs did not use (or replaced an option such
 # a log names, which --from-log refuses): no value describes them. Such a log compares as alike to every setting of

@@ -242,8 +242,9 @@ def synchronizer(device):
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
-def to_device(data, device, dtype, pad=0):
-    """Normalised images; train kept NHWC and reflect-padded by `pad` for cropping, test as channels_last NCHW."""
+def to_device(data, device, dtype, pad=0, test_dtype=None):
+    """Normalised images in dtype (the test images in test_dtype where given); train kept NHWC and reflect-padded
+    by `pad` for cropping, test as channels_last NCHW."""
     mean = torch.tensor(CIFAR_MEAN, device=device) * 255
     std = torch.tensor(CIFAR_STD, device=device) * 255
 
@@ -255,7 +256,7 @@ def to_device(data, device, dtype, pad=0):
         train = F.pad(train.permute(0, 3, 1, 2), (pad,) * 4, mode="reflect").permute(0, 2, 3, 1)
     test = norm(data["test_x"]).permute(0, 3, 1, 2)
     return dict(train_x=train.contiguous().to(dtype), train_y=torch.from_numpy(data["train_y"]).to(device),
-                test_x=test.to(dtype), test_y=torch.from_numpy(data["test_y"]).to(device))
+                test_x=test.to(test_dtype or dtype), test_y=torch.from_numpy(data["test_y"]).to(device))
 
 
 def draw_augmentation(n, pad, cutout, flip, generator, device, size=32, jitter=(0.0, 0.0)):

@@ -37,6 +37,10 @@ COMMON = dict(
     # drawn in [-brightness, brightness], c in [1 - contrast, 1 + contrast] (as the 2025 A100 record's loader)
     color_jitter=(0.0, 0.0),
     tta_confidence=0.0,  # > 0: the final evaluation's extra TTA views only for images predicted below it (tb.predict)
+    # "same": the test images and the net evaluated in the run's precision; "fp32": both in fp32, without bf16's
+    # rounding (fast96's 6 views on a 2-core Zen 5: 171 s, against 99 s in bf16: logs/eval_tta-2026-12-05T211546,
+    # -212327). The presets keep "same": fp32's gain on fast96 nets is unproven (RESULTS.md).
+    eval_precision="same",
     whiten_bias_epochs=0, lookahead_start_epoch=-1, lookahead_every=5, lookahead_decay=0.95, lookahead_pow=3.0,
     lookahead_sync="epoch",  # copy the lookahead average into the net at every epoch end (airbench94) or the "end"
     # fp16 only. "batch": the loss times the batch size (rounded down to a power of two, so exact), the
@@ -372,6 +376,7 @@ def check_config(cfg):
     need(cfg["tta"] in (0, 1, 2), "tta must be 0 (none), 1 (mirror) or 2 (mirror + translate)")
     need(0 <= cfg["tta_confidence"] <= 1, "tta-confidence must be in [0, 1] (0: TTA on every image)")
     need(cfg["precision"] in ("auto", "fp32", "bf16", "fp16"), "precision must be auto, fp32, bf16 or fp16")
+    need(cfg["eval_precision"] in ("same", "fp32"), "eval-precision must be same (the run's) or fp32")
     need(cfg["loss_scale"] in ("batch", "dynamic") or positive_number(cfg["loss_scale"]),
          f"loss-scale must be batch, dynamic or a positive number, got {cfg['loss_scale']!r}")
     need(cfg["eval_every"] >= 0, "eval-every must be >= 0 (0: only at the end)")
@@ -1112,9 +1117,9 @@ def run_once(cfg, data, run_index, seed, device, precision, log=print, on_epoch=
         if last or (cfg["eval_every"] and epoch % cfg["eval_every"] == 0):
             tta = cfg["tta"] if last else 0
             with evaluated_weights(ema):  # (on a CPU the final one, with TTA, can take minutes: a progress line)
-                test_acc = evaluate(model, data, precision, device, tta, rank, world, cfg["tta_confidence"],
-                                    progress, f"run {run_index} epoch {epoch} " + ("final evaluation" if last
-                                                                                   else "evaluation"))
+                label = f"run {run_index} epoch {epoch} " + ("final evaluation" if last else "evaluation")
+                test_acc = evaluate(model, data, evaluated_in(cfg, precision), device, tta, rank, world,
+                                    cfg["tta_confidence"], progress, label)
             timer(include_in_total=last)  # only the final evaluation counts towards the time
         row = dict(run=run_index, epoch=epoch, lr=lr, train_loss=train_loss, train_acc=train_acc,
                    test_acc=test_acc if test_acc is not None else float("nan"), epoch_time=epoch_time,
@@ -1158,7 +1163,7 @@ def evaluate_during_epoch(cfg, model, data, precision, device, rank, world, time
     (target reached with stop_at_target). A non-finite loss ends the run as diverged at the next epoch end."""
     timer()
     with evaluated_weights(ema):
-        acc = evaluate(model, data, precision, device, 0, rank, world)
+        acc = evaluate(model, data, evaluated_in(cfg, precision), device, 0, rank, world)
     timer(include_in_total=False)
     loss = loss.item()
     result["evals"].append(dict(step=step, epoch=step / per_epoch, fresh=stream.fresh_read, test_acc=acc,
@@ -1169,6 +1174,12 @@ def evaluate_during_epoch(cfg, model, data, precision, device, rank, world, time
         result.update(step_reached_target=step, time_to_target_s=timer.total, fresh_to_target=stream.fresh_read)
         return cfg["stop_at_target"]
     return False
+
+
+def evaluated_in(cfg, precision):
+    """The precision a run evaluates in (its test images are stored in it too): eval_precision, or the run's own
+    (cfgs from before the option was added have none)."""
+    return precision if cfg.get("eval_precision", "same") == "same" else cfg["eval_precision"]
 
 
 def evaluate(model, data, precision, device, tta, rank=0, world=1, tta_confidence=0.0, progress=None, label=""):
@@ -1337,7 +1348,8 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
         raise ValueError("--checkpoint resumes a single run; use it with --runs 1")
     if checkpoint and cfg["pipeline"] == "loader":
         raise ValueError("--checkpoint is not supported with --pipeline loader")
-    on_device = tb.to_device(data, device, tb.DTYPES[precision], pad=cfg["pad"])
+    on_device = tb.to_device(data, device, tb.DTYPES[precision], pad=cfg["pad"],
+                             test_dtype=tb.DTYPES[evaluated_in(cfg, precision)])
     if cfg["pipeline"] == "loader":  # the loader pipeline starts from the encoded images, not the tensors
         on_device.update(raw_train_x=data["train_x"], raw_train_y=data["train_y"])
         pipeline.encode_pngs(data["train_x"])  # once, outside the timer (cached per array)
@@ -1660,6 +1672,7 @@ OPTION_HELP = dict(
     train_sizes="progressive resizing: the training images' side in each epoch, the last repeating (not set: 32)",
     tta="test-time augmentation: 0 none, 1 with the mirror, 2 both also shifted by a pixel (6 views)",
     tta_confidence="run the extra TTA views only on images predicted below this probability (0: on every one)",
+    eval_precision="evaluate the net and test images in the run's precision (same) or in fp32",
     select_fraction="data selection: train on this fraction of each step's candidates, the hardest (1: off)",
     select_by="data selection scores candidates by a proxy net's loss (proxy) or their own last loss (loss)",
     proxy_widths="data selection: the proxy fastnet's three widths",

@@ -29,8 +29,8 @@ import train_cifar  # noqa: E402
 
 
 def load_trained(path, device):
-    """(cfg, precision, net as its run evaluated it, seed, logged final accuracy, fingerprint of the data it ran on
-    or None) from a finished run's checkpoint."""
+    """(cfg, precision its run evaluated in, net as its run evaluated it, seed, logged final accuracy,
+    fingerprint of the data it ran on or None) from a finished run's checkpoint."""
     state = train_cifar.load_checkpoint(path, device)
     if state["result"]["accuracy"] is None or state["result"].get("stopped_after_epoch"):
         raise ValueError(f"{path} holds a run that has not finished (after epoch {state['epoch']})")
@@ -41,7 +41,8 @@ def load_trained(path, device):
     model.load_state_dict(state["model"])
     if state.get("ema") is not None:
         train_cifar.WeightAverage(model).load(state["ema"])
-    return cfg, state["precision"], model, state["seed"], state["result"]["accuracy"], state.get("data")
+    return (cfg, train_cifar.evaluated_in(cfg, state["precision"]), model, state["seed"], state["result"]["accuracy"],
+            state.get("data"))
 
 
 def check_own_accuracy(path, cfg, model, data, precision, device, logged, fingerprint):
@@ -120,8 +121,8 @@ def main():
     p.add_argument("--repeats", type=int, default=3, help="timed evaluations per mode (mean ± std)")
     p.add_argument("--view-sets", action="store_true", help="also compare the sets of views in VIEW_SETS")
     p.add_argument("--precision", choices=list(tb.DTYPES), default=None,
-                   help="evaluate in this precision instead of each run's own (its logged accuracy is still "
-                        "checked in its own first)")
+                   help="evaluate in this precision instead of the one each run evaluated in (its logged accuracy "
+                        "is still checked in that one first)")
     tb.add_device_option(p)
     p.add_argument("--log-dir", default="logs", type=core.folder_option, help="where the JSON result goes")
     a = p.parse_args()
@@ -169,10 +170,10 @@ def main():
     log_path = core.stamped_log_path(a.log_dir, "eval_tta", info["date"]) if a.log_dir else None
     if log_path:
         print(f"log: {log_path} (written after every net)")
-    for path, cfg, trained_in, model, seed in nets:
-        precision = a.precision or trained_in
-        if precision != trained_in:
-            print(f"{path}: trained in {trained_in}, evaluated in {precision}", flush=True)
+    for path, cfg, own, model, seed in nets:
+        precision = a.precision or own
+        if precision != own:
+            print(f"{path}: its run evaluated in {own}, here in {precision}", flush=True)
         data = data_for(precision, cfg["pad"])
         plain = tb.predict(model, data["test_x"], precision, device)
         top = plain.softmax(1).amax(1)

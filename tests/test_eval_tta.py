@@ -84,6 +84,27 @@ def test_eval_tta_checks_the_runs_own_accuracy_before_timing_and_says_why_it_dif
     assert f"eval_tta.py: error: {ckpt}: this test set is not the one its run evaluated: pass the --data" in r.stderr
 
 
+def test_eval_tta_evaluates_a_net_as_its_run_did_in_its_eval_precision(tmp_path):
+    """A bf16 run evaluated in fp32 (--eval-precision fp32): its net is checked and scored in fp32 on fp32 test
+    images (as its own fingerprint holds them), unless --precision asks for another; a checkpoint saved under one
+    eval precision does not continue under the other."""
+    data = synthetic(200, 100)
+    npz, ckpt = tmp_path / "tiny.npz", tmp_path / "run.pt"
+    np.savez(npz, **data)
+    train_cifar.train("fast94", data=data, checkpoint=str(ckpt), **dict(TINY, precision="bf16", eval_precision="fp32"))
+    assert eval_tta.load_trained(str(ckpt), CPU)[1] == "fp32"
+    for asked, scored in ((None, "fp32"), ("bf16", "bf16")):
+        logs = tmp_path / f"logs-{asked}"
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "eval_tta.py"), str(ckpt), "--data",
+                            str(npz), "--confidences", "0.7", "--repeats", "1", "--log-dir", str(logs)]
+                           + (["--precision", asked] if asked else []), capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        assert {row["precision"] for row in json.load(open(next(logs.iterdir())))["results"]} == {scored}
+    state = torch.load(ckpt, weights_only=False)
+    why = train_cifar.checkpoint_mismatch(state, dict(state["cfg"], eval_precision="same"), 0, "bf16")
+    assert "differs in eval_precision" in why
+
+
 def test_eval_tta_refuses_a_net_logged_better_or_worse_than_it_evaluates():
     """The check is of the distance from the logged accuracy: a net whose run logged more than it gives here is as
     much another net as one whose run logged less. Within 0.1 points (kernels rounding a few images of 10000

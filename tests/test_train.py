@@ -273,6 +273,7 @@ def test_make_config_refuses_values_of_the_wrong_kind(overrides, message):
     (dict(select_by="random"), "select-by must be proxy or loss", dict(select_by="loss")),
     (dict(net="vgg"), "unknown net 'vgg'", dict(net="fastnet")),
     (dict(precision="fp8"), "precision must be auto, fp32, bf16 or fp16", dict(precision="bf16")),
+    (dict(eval_precision="bf16"), "eval-precision must be same (the run's) or fp32", dict(eval_precision="fp32")),
     (dict(compile_mode="fastest"), "compile-mode must be one of", dict(compile_mode="max-autotune")),
     (dict(epochs=0.0), "epochs must be positive", dict(epochs=1e-3, lr_knots=(0, 1e-3))),
     (dict(lr_knots=(), lr_values=()), "lr-knots and lr-values need the same length",
@@ -572,6 +573,32 @@ def test_checkpoint_mismatch_compares_precision_as_resolved():
     legacy = dict(cfg=cfg, seed=4)  # saved before the resolved precision was: the option must match as given
     assert train_cifar.checkpoint_mismatch(legacy, cfg, 4, "fp32") is None
     assert "differs in precision" in train_cifar.checkpoint_mismatch(legacy, dict(cfg, precision="fp32"), 4, "fp32")
+
+
+@pytest.mark.parametrize("eval_precision, evaluated_in, dtype", [("same", "bf16", torch.bfloat16),
+                                                                  ("fp32", "fp32", torch.float32)])
+def test_a_bf16_run_evaluates_in_its_eval_precision_with_its_test_images_in_it(monkeypatch, tmp_path, eval_precision,
+                                                                               evaluated_in, dtype):
+    """Every evaluation (each epoch's, each eval_every_steps one, the final with TTA) runs in eval_precision on
+    test images stored in it: fp32 images, not bf16 ones cast up, so nothing of bf16's rounding is left. The
+    logged accuracy is then the fp32 net's, recomputed from the checkpoint."""
+    calls, predict = [], tb.predict
+
+    def spy(model, x, precision, device, **kw):
+        calls.append((precision, x.dtype))
+        return predict(model, x, precision, device, **kw)
+    monkeypatch.setattr(tb, "predict", spy)
+    data, ckpt = synthetic(200, 100), tmp_path / "run.pt"
+    summary = train_cifar.train("fast94", data=data, widths=(8, 16, 16), batch_size=50, epochs=2, precision="bf16",
+                                eval_precision=eval_precision, eval_every_steps=3, train_sizes=(), log_dir=None,
+                                log=lambda *a: None, device="cpu", checkpoint=str(ckpt))
+    assert len(calls) == 2 + 2 and set(calls) == {(evaluated_in, dtype)}  # 4 steps an epoch: 2 mid-epoch, 2 ends
+    state = train_cifar.load_checkpoint(str(ckpt), torch.device("cpu"))
+    model = train_cifar.build_model(state["cfg"], torch.device("cpu"))
+    model.load_state_dict(state["model"])
+    test = tb.to_device(data, torch.device("cpu"), dtype, pad=2)
+    logits = predict(model, test["test_x"], evaluated_in, torch.device("cpu"), tta=2, tta_confidence=0.7)
+    assert summary["runs"][0]["accuracy"] == (logits.argmax(1) == test["test_y"]).sum().item() / 100
 
 
 def test_checkpoint_mismatch_ignores_how_a_run_is_run_and_where_it_stops():
