@@ -125,6 +125,13 @@ def paired_difference(a, b, level=0.95):
     return dict(diff=m, se=se, df=len(d) - 1, ci=(m - half, m + half))
 
 
+def sign_test(a, b):
+    """Two-sided exact sign test: were each of a + b disagreements equally likely to go either way, the
+    probability of a split at least as uneven as a against b (paired per-image comparisons of two evaluations)."""
+    n, k = a + b, min(a, b)
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n)
+
+
 def format_cell(v, width):
     if isinstance(v, float):
         s = f"{v:.4f}" if abs(v) < 1000 else f"{v:.1f}"

@@ -12,7 +12,9 @@ over repeats, after a plain pass over the test set that also gives each image's 
 --view-sets also compares sets of views beyond the 6 (more one-pixel shifts, two-pixel shifts, other weights; see
 VIEW_SETS), on every test image. Each distinct view's logits are computed once per net and each set's average is
 formed from them, so a set's seconds are the sum of its views' forward passes. --precision fp32 evaluates nets
-trained in bf16 in fp32 instead (test images too), to see what the lower precision costs at test time alone.
+that their runs evaluated in bf16 in fp32 instead (test images too), to see what the lower precision costs at
+test time alone: for the run's own evaluation it also counts the images right in one precision only, per net
+and over all (with a sign test).
 Writes logs/eval_tta-*.json."""
 import argparse
 import os
@@ -45,14 +47,27 @@ def load_trained(path, device):
             state.get("data"))
 
 
+def own_mode(cfg):
+    """(tta level, tta_confidence) of the run's own final evaluation."""
+    return cfg["tta"], (cfg.get("tta_confidence") or 0.0) if cfg["tta"] else 0.0
+
+
+def right_per_image(model, data, precision, device, tta, confidence):
+    """Which test images the net gets right (bool per image), evaluated as train_cifar.evaluate does."""
+    logits = tb.predict(model, data["test_x"], precision, device, batch_size=train_cifar.EVAL_BATCH, tta=tta,
+                        tta_confidence=confidence)
+    return logits.argmax(1) == data["test_y"]
+
+
 def check_own_accuracy(path, cfg, model, data, precision, device, logged, fingerprint):
     """Exits unless the run's own evaluation gives the accuracy its run logged, i.e. this is that net on that
-    test set (kernels may round a few images differently, not more); before any timing, which takes minutes."""
-    accuracy = train_cifar.evaluate(model, data, precision, device, cfg["tta"],
-                                    tta_confidence=cfg.get("tta_confidence", 0.0))
+    test set (kernels may round a few images differently, not more); before any timing, which takes minutes.
+    Returns which images it gets right (for the comparison with another precision)."""
+    right = right_per_image(model, data, precision, device, *own_mode(cfg))
+    accuracy = right.sum().item() / len(right)
     if abs(accuracy - logged) <= 1e-3:
-        return
-    confidence = cfg.get("tta_confidence") or 0.0
+        return right
+    confidence = own_mode(cfg)[1]
     name = ("plain", "mirror", "6 views")[cfg["tta"]] + (f" if p<{confidence:g}" if cfg["tta"] and confidence else "")
     if cfg.get("holdout"):
         why = f"its run evaluated {cfg['holdout']} images held out of the training set (holdout), not the test set"
@@ -160,9 +175,9 @@ def main():
         here = train_cifar.data_fingerprint(data) if fingerprint else None  # (older checkpoints hold none)
         if here and not cfg.get("holdout") and any(here[k] != fingerprint[k] for k in ("test_x", "test_y")):
             p.error(f"{path}: this test set is not the one its run evaluated: pass the --data it ran on")
-        check_own_accuracy(path, cfg, model, data, precision, device, logged, fingerprint)
+        right_own = check_own_accuracy(path, cfg, model, data, precision, device, logged, fingerprint)
         print(f"checked {path}: its net gives the {100 * logged:.2f}% its run logged", flush=True)
-        nets.append((path, cfg, precision, model, seed))
+        nets.append((path, cfg, precision, model, seed, right_own))
     table = core.Table(["seed", "mode", "accuracy", "tta_share", "seconds", "±"], width=12)
     results = []
     info = dict(hardware=tb.device_name(device), torch=torch.__version__, commit=core.git_commit(),
@@ -170,7 +185,8 @@ def main():
     log_path = core.stamped_log_path(a.log_dir, "eval_tta", info["date"]) if a.log_dir else None
     if log_path:
         print(f"log: {log_path} (written after every net)")
-    for path, cfg, own, model, seed in nets:
+    flips = []  # per net in another precision than its run's: images right only here, only in the run's
+    for path, cfg, own, model, seed, right_own in nets:
         precision = a.precision or own
         if precision != own:
             print(f"{path}: its run evaluated in {own}, here in {precision}", flush=True)
@@ -178,18 +194,21 @@ def main():
         plain = tb.predict(model, data["test_x"], precision, device)
         top = plain.softmax(1).amax(1)
         for name, level, confidence in modes(a.confidences):
-            def run():
-                return train_cifar.evaluate(model, data, precision, device, level, tta_confidence=confidence)
-            seconds, accuracy = [], None  # the plain pass above was the warm-up
+            seconds, right = [], None  # the plain pass above was the warm-up
             for _ in range(a.repeats):
                 sync()
                 t = time.perf_counter()
-                accuracy = run()
+                right = right_per_image(model, data, precision, device, level, confidence)
                 sync()
                 seconds.append(time.perf_counter() - t)
             share = (top < confidence).float().mean().item() if confidence else float(level > 0)
             row = dict(checkpoint=os.path.basename(path), seed=seed, mode=name, tta=level, tta_confidence=confidence,
-                       precision=precision, accuracy=accuracy, tta_share=share, seconds=core.mean_std(seconds))
+                       precision=precision, accuracy=right.sum().item() / len(right), tta_share=share,
+                       seconds=core.mean_std(seconds))
+            if precision != own and (level, confidence) == own_mode(cfg):  # the run's own evaluation, image by image
+                here, there = int((right & ~right_own).sum()), int((right_own & ~right).sum())
+                row["against_own"] = dict(precision=own, right_only_here=here, right_only_there=there)
+                flips.append((here, there))
             table.row(dict(row, seconds=row["seconds"][0], **{"±": row["seconds"][1] if a.repeats > 1 else "-"}))
             results.append(row)
         if a.view_sets:
@@ -207,6 +226,18 @@ def main():
                 table.row(dict(row, seconds=seconds, **{"±": "-"}))  # (timed once)
                 results.append(row)
         if log_path:  # after every net, so the nets done so far survive a crash or a stop
+            core.write_json_atomic(log_path, info)
+    for row in (r for r in results if "against_own" in r):
+        versus = row["against_own"]
+        print(f"{row['checkpoint']}, {row['mode']} (its run's evaluation): right only in {row['precision']} on "
+              f"{versus['right_only_here']} images, only in {versus['precision']} on {versus['right_only_there']}")
+    if len(flips) > 1:
+        here, there = map(sum, zip(*flips))
+        info["against_own"] = dict(nets=len(flips), right_only_here=here, right_only_there=there,
+                                   sign_test_p=core.sign_test(here, there))
+        print(f"over the {len(flips)} nets: right only in {a.precision} on {here} images, only in their runs' "
+              f"precision on {there} (sign test p = {info['against_own']['sign_test_p']:.2g})")
+        if log_path:
             core.write_json_atomic(log_path, info)
     if a.view_sets and len(a.checkpoints) > 1:  # per net against the 6 views: mean and standard error
         print("\nview set       views  mean acc  per net against 6v (mean ± s.e., points)")

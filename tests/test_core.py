@@ -545,3 +545,15 @@ def test_folder_option_leaves_no_folder_as_no_folder_and_refuses_a_file(tmp_path
     (tmp_path / "f").write_text("")
     with pytest.raises(argparse.ArgumentTypeError, match="cannot write there"):
         core.folder_option(str(tmp_path / "f" / "logs"))
+
+
+def test_sign_test_is_the_two_sided_binomial_tail_counted_over_every_outcome():
+    """Against enumeration: of the 2^n equally likely ways n disagreements can go, the share that splits at
+    least as unevenly as a against b."""
+    import itertools
+    for n in range(9):
+        outcomes = [sum(o) for o in itertools.product((0, 1), repeat=n)]
+        for a in range(n + 1):
+            extreme = sum(abs(k - n / 2) >= abs(a - n / 2) for k in outcomes) / 2 ** n
+            assert core.sign_test(a, n - a) == pytest.approx(extreme, abs=1e-12) == core.sign_test(n - a, a)
+    assert core.sign_test(14, 8) == pytest.approx(0.2863, abs=1e-4)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import core
 import torch_backend as tb
 import train_cifar
 from conftest import ROOT, synthetic
@@ -99,7 +100,16 @@ def test_eval_tta_evaluates_a_net_as_its_run_did_in_its_eval_precision(tmp_path)
                             str(npz), "--confidences", "0.7", "--repeats", "1", "--log-dir", str(logs)]
                            + (["--precision", asked] if asked else []), capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr
-        assert {row["precision"] for row in json.load(open(next(logs.iterdir())))["results"]} == {scored}
+        rows = json.load(open(next(logs.iterdir())))["results"]
+        assert {row["precision"] for row in rows} == {scored}
+        assert [row["mode"] for row in rows if "against_own" in row] == ([] if asked is None else ["6v if p<0.7"])
+    # in bf16, the run's own evaluation image by image against fp32's: the images each gets right and not the other
+    cfg, _, model, *_ = eval_tta.load_trained(str(ckpt), CPU)
+    right = {p: (tb.predict(model, tb.to_device(data, CPU, tb.DTYPES[p])["test_x"], p, CPU, tta=2, tta_confidence=0.7)
+                 .argmax(1) == torch.from_numpy(data["test_y"])) for p in ("bf16", "fp32")}
+    want = dict(precision="fp32", right_only_here=int((right["bf16"] & ~right["fp32"]).sum()),
+                right_only_there=int((right["fp32"] & ~right["bf16"]).sum()))
+    assert rows[-1]["against_own"] == want
     state = torch.load(ckpt, weights_only=False)
     why = train_cifar.checkpoint_mismatch(state, dict(state["cfg"], eval_precision="same"), 0, "bf16")
     assert "differs in eval_precision" in why
@@ -212,12 +222,12 @@ def test_eval_tta_precision_checks_the_net_in_its_own_then_evaluates_in_the_one_
     np.savez(npz, **data)
     train_cifar.train("fast94", data=data, checkpoint=str(ckpt), **dict(TINY, precision="bf16"))
     calls = []
-    evaluate = train_cifar.evaluate
+    predict = tb.predict
 
-    def spy(model, data, precision, *args, **kwargs):
-        calls.append((precision, data["test_x"].dtype))
-        return evaluate(model, data, precision, *args, **kwargs)
-    monkeypatch.setattr(train_cifar, "evaluate", spy)
+    def spy(model, x, precision, *args, **kwargs):
+        calls.append((precision, x.dtype))
+        return predict(model, x, precision, *args, **kwargs)
+    monkeypatch.setattr(tb, "predict", spy)
     logs = tmp_path / "logs"
     monkeypatch.setattr(sys, "argv", ["eval_tta.py", str(ckpt), "--data", str(npz), "--confidences", "0.5",
                                       "--repeats", "1", "--precision", "fp32", "--log-dir", str(logs)])
@@ -255,7 +265,7 @@ def test_the_view_set_table_gives_each_sets_mean_and_standard_error_over_the_net
     monkeypatch.setattr(eval_tta, "load_trained", lambda path, device: (
         cfg, "fp32", train_cifar.build_model(cfg, CPU), int(str(path)[-4]), 0.5, None))
     monkeypatch.setattr(eval_tta, "check_own_accuracy", lambda *a: None)
-    monkeypatch.setattr(train_cifar, "evaluate", lambda *a, **k: 0.5)  # every mode, the 6 views' included
+    monkeypatch.setattr(eval_tta, "right_per_image", lambda *a: torch.arange(20) % 2 == 0)  # 50%: every mode
     monkeypatch.setattr(eval_tta, "view_set_accuracies", lambda *a: next(per_net))
     monkeypatch.setattr(sys, "argv", ["eval_tta.py", *map(str, paths), "--data", str(tmp_path / "tiny.npz"),
                                       "--confidences", "0.5", "--repeats", "1", "--view-sets", "--device", "cpu",
@@ -269,3 +279,38 @@ def test_the_view_set_table_gives_each_sets_mean_and_standard_error_over_the_net
         se = statistics.stdev(p) / math.sqrt(len(p))
         assert line.startswith(f"{name:14s} ") and line.endswith(
             f"  {mean_acc:7.3f}%  {statistics.mean(p):+.3f} ± {se:.3f}"), (line, name)
+
+
+def test_another_precision_counts_the_images_each_gets_right_per_net_and_over_all(tmp_path, monkeypatch, capsys):
+    """Two nets whose runs evaluated in bf16, scored in fp32 with stubbed per-image results: for the run's own
+    evaluation (6 views below p = 0.7) each net's row counts the images right only in fp32 and only in bf16, and
+    the log sums them over the nets with their sign test."""
+    np.savez(tmp_path / "tiny.npz", **synthetic(20, 20))
+    cfg = train_cifar.make_config("fast94", widths=(8, 8, 8), precision="bf16")  # tta 2 below p = 0.7
+    first = torch.arange(20)
+    right = [dict(bf16=first < 10, fp32=(first >= 3) & (first < 15)),  # fp32 only: 10-14; bf16 only: 0-2
+             dict(bf16=first % 2 == 0, fp32=((first % 2 == 0) & (first != 0)) | (first == 1))]  # 1 and 1
+    paths = [tmp_path / f"net{k}.pt" for k in range(2)]
+    for path in paths:
+        path.write_bytes(b"")
+
+    def load_trained(path, device):
+        model = train_cifar.build_model(cfg, CPU)
+        model.k = int(str(path)[-4])
+        return cfg, "bf16", model, model.k, right[model.k]["bf16"].float().mean().item(), None
+    monkeypatch.setattr(eval_tta, "load_trained", load_trained)
+    monkeypatch.setattr(eval_tta, "right_per_image", lambda model, data, precision, *a: right[model.k][precision])
+    logs = tmp_path / "logs"
+    monkeypatch.setattr(sys, "argv", ["eval_tta.py", *map(str, paths), "--data", str(tmp_path / "tiny.npz"),
+                                      "--confidences", "0.5", "0.7", "--repeats", "1", "--precision", "fp32",
+                                      "--device", "cpu", "--log-dir", str(logs)])
+    eval_tta.main()
+    log = json.load(open(next(logs.iterdir())))
+    counted = [(row["checkpoint"], row["mode"], row["against_own"]) for row in log["results"] if "against_own" in row]
+    assert counted == [("net0.pt", "6v if p<0.7", dict(precision="bf16", right_only_here=5, right_only_there=3)),
+                       ("net1.pt", "6v if p<0.7", dict(precision="bf16", right_only_here=1, right_only_there=1))]
+    assert log["against_own"] == dict(nets=2, right_only_here=6, right_only_there=4, sign_test_p=core.sign_test(6, 4))
+    out = capsys.readouterr().out
+    assert "net0.pt, 6v if p<0.7 (its run's evaluation): right only in fp32 on 5 images, only in bf16 on 3" in out
+    assert f"over the 2 nets: right only in fp32 on 6 images, only in their runs' precision on 4 (sign test p = " \
+           f"{core.sign_test(6, 4):.2g})" in out
