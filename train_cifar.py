@@ -39,7 +39,9 @@ COMMON = dict(
     tta_confidence=0.0,  # > 0: the final evaluation's extra TTA views only for images predicted below it (tb.predict)
     # "same": the test images and the net evaluated in the run's precision; "fp32": both in fp32, without bf16's
     # rounding (fast96's 6 views on a 2-core Zen 5: 171 s, against 99 s in bf16: logs/eval_tta-2026-12-05T211546,
-    # -212327). The presets keep "same": fp32's gain on fast96 nets is unproven (RESULTS.md).
+    # -212327). The presets keep "same": images right in one precision only, fp32 against bf16, 20 against 9 on
+    # three fast96 nets (sign test p = 0.06), 28 against 22 on five fast94 nets (p = 0.48): no gain shown
+    # (logs/eval_tta-2026-12-07T033732, -044035).
     eval_precision="same",
     whiten_bias_epochs=0, lookahead_start_epoch=-1, lookahead_every=5, lookahead_decay=0.95, lookahead_pow=3.0,
     lookahead_sync="epoch",  # copy the lookahead average into the net at every epoch end (airbench94) or the "end"
