@@ -1184,17 +1184,24 @@ def evaluated_in(cfg, precision):
     return precision if cfg.get("eval_precision", "same") == "same" else cfg["eval_precision"]
 
 
+def right_per_image(model, x, y, precision, device, tta, tta_confidence=0.0, on_batch=None):
+    """Which of the images x the net gets right (bool per image), with the TTA a run evaluates with."""
+    logits = tb.predict(model, x, precision, device, batch_size=EVAL_BATCH, tta=tta, tta_confidence=tta_confidence,
+                        on_batch=on_batch)
+    return logits.argmax(1) == y
+
+
 def evaluate(model, data, precision, device, tta, rank=0, world=1, tta_confidence=0.0, progress=None, label=""):
     """Test accuracy; with several processes each scores every world-th image and the counts are summed.
     progress: a core.Progress shown per batch of test images under `label`, or None."""
     x, y = data["test_x"][rank::world], data["test_y"][rank::world]
     if progress:
         progress.start(label, math.ceil(len(y) / EVAL_BATCH))
-    logits = tb.predict(model, x, precision, device, batch_size=EVAL_BATCH, tta=tta, tta_confidence=tta_confidence,
-                        on_batch=progress.update if progress else None)
+    right = right_per_image(model, x, y, precision, device, tta, tta_confidence,
+                            on_batch=progress.update if progress else None)
     if progress:
         progress.clear()
-    correct = (logits.argmax(1) == y).sum().float()
+    correct = right.sum().float()
     if world > 1:
         torch.distributed.all_reduce(correct)
     return correct.item() / len(data["test_y"])

@@ -52,18 +52,11 @@ def own_mode(cfg):
     return cfg["tta"], (cfg.get("tta_confidence") or 0.0) if cfg["tta"] else 0.0
 
 
-def right_per_image(model, data, precision, device, tta, confidence):
-    """Which test images the net gets right (bool per image), evaluated as train_cifar.evaluate does."""
-    logits = tb.predict(model, data["test_x"], precision, device, batch_size=train_cifar.EVAL_BATCH, tta=tta,
-                        tta_confidence=confidence)
-    return logits.argmax(1) == data["test_y"]
-
-
 def check_own_accuracy(path, cfg, model, data, precision, device, logged, fingerprint):
     """Exits unless the run's own evaluation gives the accuracy its run logged, i.e. this is that net on that
     test set (kernels may round a few images differently, not more); before any timing, which takes minutes.
     Returns which images it gets right (for the comparison with another precision)."""
-    right = right_per_image(model, data, precision, device, *own_mode(cfg))
+    right = train_cifar.right_per_image(model, data["test_x"], data["test_y"], precision, device, *own_mode(cfg))
     accuracy = right.sum().item() / len(right)
     if abs(accuracy - logged) <= 1e-3:
         return right
@@ -185,7 +178,6 @@ def main():
     log_path = core.stamped_log_path(a.log_dir, "eval_tta", info["date"]) if a.log_dir else None
     if log_path:
         print(f"log: {log_path} (written after every net)")
-    flips = []  # per net in another precision than its run's: images right only here, only in the run's
     for path, cfg, own, model, seed, right_own in nets:
         precision = a.precision or own
         if precision != own:
@@ -198,7 +190,8 @@ def main():
             for _ in range(a.repeats):
                 sync()
                 t = time.perf_counter()
-                right = right_per_image(model, data, precision, device, level, confidence)
+                right = train_cifar.right_per_image(model, data["test_x"], data["test_y"], precision, device, level,
+                                                    confidence)
                 sync()
                 seconds.append(time.perf_counter() - t)
             share = (top < confidence).float().mean().item() if confidence else float(level > 0)
@@ -208,7 +201,6 @@ def main():
             if precision != own and (level, confidence) == own_mode(cfg):  # the run's own evaluation, image by image
                 here, there = int((right & ~right_own).sum()), int((right_own & ~right).sum())
                 row["against_own"] = dict(precision=own, right_only_here=here, right_only_there=there)
-                flips.append((here, there))
             table.row(dict(row, seconds=row["seconds"][0], **{"±": row["seconds"][1] if a.repeats > 1 else "-"}))
             results.append(row)
         if a.view_sets:
@@ -227,15 +219,16 @@ def main():
                 results.append(row)
         if log_path:  # after every net, so the nets done so far survive a crash or a stop
             core.write_json_atomic(log_path, info)
-    for row in (r for r in results if "against_own" in r):
+    compared = [r for r in results if "against_own" in r]  # nets in another precision than their runs'
+    for row in compared:
         versus = row["against_own"]
         print(f"{row['checkpoint']}, {row['mode']} (its run's evaluation): right only in {row['precision']} on "
               f"{versus['right_only_here']} images, only in {versus['precision']} on {versus['right_only_there']}")
-    if len(flips) > 1:
-        here, there = map(sum, zip(*flips))
-        info["against_own"] = dict(nets=len(flips), right_only_here=here, right_only_there=there,
+    if len(compared) > 1:
+        here, there = (sum(r["against_own"][k] for r in compared) for k in ("right_only_here", "right_only_there"))
+        info["against_own"] = dict(nets=len(compared), right_only_here=here, right_only_there=there,
                                    sign_test_p=core.sign_test(here, there))
-        print(f"over the {len(flips)} nets: right only in {a.precision} on {here} images, only in their runs' "
+        print(f"over the {len(compared)} nets: right only in {a.precision} on {here} images, only in their runs' "
               f"precision on {there} (sign test p = {info['against_own']['sign_test_p']:.2g})")
         if log_path:
             core.write_json_atomic(log_path, info)

@@ -265,7 +265,7 @@ def test_the_view_set_table_gives_each_sets_mean_and_standard_error_over_the_net
     monkeypatch.setattr(eval_tta, "load_trained", lambda path, device: (
         cfg, "fp32", train_cifar.build_model(cfg, CPU), int(str(path)[-4]), 0.5, None))
     monkeypatch.setattr(eval_tta, "check_own_accuracy", lambda *a: None)
-    monkeypatch.setattr(eval_tta, "right_per_image", lambda *a: torch.arange(20) % 2 == 0)  # 50%: every mode
+    monkeypatch.setattr(train_cifar, "right_per_image", lambda *a: torch.arange(20) % 2 == 0)  # 50%: every mode
     monkeypatch.setattr(eval_tta, "view_set_accuracies", lambda *a: next(per_net))
     monkeypatch.setattr(sys, "argv", ["eval_tta.py", *map(str, paths), "--data", str(tmp_path / "tiny.npz"),
                                       "--confidences", "0.5", "--repeats", "1", "--view-sets", "--device", "cpu",
@@ -299,7 +299,7 @@ def test_another_precision_counts_the_images_each_gets_right_per_net_and_over_al
         model.k = int(str(path)[-4])
         return cfg, "bf16", model, model.k, right[model.k]["bf16"].float().mean().item(), None
     monkeypatch.setattr(eval_tta, "load_trained", load_trained)
-    monkeypatch.setattr(eval_tta, "right_per_image", lambda model, data, precision, *a: right[model.k][precision])
+    monkeypatch.setattr(train_cifar, "right_per_image", lambda model, x, y, precision, *a: right[model.k][precision])
     logs = tmp_path / "logs"
     monkeypatch.setattr(sys, "argv", ["eval_tta.py", *map(str, paths), "--data", str(tmp_path / "tiny.npz"),
                                       "--confidences", "0.5", "0.7", "--repeats", "1", "--precision", "fp32",
