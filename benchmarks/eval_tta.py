@@ -222,14 +222,15 @@ def main():
     compared = [r for r in results if "against_own" in r]  # nets in another precision than their runs'
     for row in compared:
         versus = row["against_own"]
-        print(f"{row['checkpoint']}, {row['mode']} (its run's evaluation): right only in {row['precision']} on "
-              f"{versus['right_only_here']} images, only in {versus['precision']} on {versus['right_only_there']}")
+        print(f"{row['checkpoint']}, {row['mode']} (its run's evaluation): test images right only in "
+              f"{row['precision']}: {versus['right_only_here']}, only in {versus['precision']}: "
+              f"{versus['right_only_there']}")
     if len(compared) > 1:
         here, there = (sum(r["against_own"][k] for r in compared) for k in ("right_only_here", "right_only_there"))
         info["against_own"] = dict(nets=len(compared), right_only_here=here, right_only_there=there,
                                    sign_test_p=core.sign_test(here, there))
-        print(f"over the {len(compared)} nets: right only in {a.precision} on {here} images, only in their runs' "
-              f"precision on {there} (sign test p = {info['against_own']['sign_test_p']:.2g})")
+        print(f"over the {len(compared)} nets: test images right only in {a.precision}: {here}, only in their "
+              f"runs' precision: {there} (sign test p = {info['against_own']['sign_test_p']:.2g})")
         if log_path:
             core.write_json_atomic(log_path, info)
     if a.view_sets and len(a.checkpoints) > 1:  # per net against the 6 views: mean and standard error

@@ -311,6 +311,6 @@ def test_another_precision_counts_the_images_each_gets_right_per_net_and_over_al
                        ("net1.pt", "6v if p<0.7", dict(precision="bf16", right_only_here=1, right_only_there=1))]
     assert log["against_own"] == dict(nets=2, right_only_here=6, right_only_there=4, sign_test_p=core.sign_test(6, 4))
     out = capsys.readouterr().out
-    assert "net0.pt, 6v if p<0.7 (its run's evaluation): right only in fp32 on 5 images, only in bf16 on 3" in out
-    assert f"over the 2 nets: right only in fp32 on 6 images, only in their runs' precision on 4 (sign test p = " \
+    assert "net0.pt, 6v if p<0.7 (its run's evaluation): test images right only in fp32: 5, only in bf16: 3" in out
+    assert f"over the 2 nets: test images right only in fp32: 6, only in their runs' precision: 4 (sign test p = " \
            f"{core.sign_test(6, 4):.2g})" in out
