@@ -599,14 +599,18 @@ def recording_small_map_shapes():
         _pending = outer
 
 
-def time_conv_pass(fn, repeats):
-    """Fastest of `repeats` calls of fn() after one warm-up call, in seconds."""
-    fn()
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
+def time_conv_pass(fns, repeats, clock=time.perf_counter):
+    """Fastest of `repeats` calls of each of fns, in seconds, after one warm-up call each. The calls alternate
+    (a, b, a, b, ...) so that a slow spell of a shared machine slows both kernels' samples, not one kernel's: timed
+    one after the other, a Zen 4's tuning once took the matmul for a 7x7 forward that is 1.5x slower there."""
+    for fn in fns:
         fn()
-        best = min(best, time.perf_counter() - start)
+    best = [math.inf] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            start = clock()
+            fn()
+            best[i] = min(best[i], clock() - start)
     return best
 
 
@@ -633,24 +637,30 @@ def conv_pass_calls(key, dtype=torch.bfloat16, generator=None):
 
 
 def tune_small_map_convs(keys, repeats=3, timer=time_conv_pass):
-    """Times each pass of each conv shape not tuned yet both ways (on random data; in a run before the timer)
-    and keeps the matmul where it wins (matmul_wins). Returns {key: {pass: (onednn_s,
+    """Times each pass of each conv shape not tuned yet both ways (on random data; in a run before the timer:
+    timer((onednn_call, matmul_call), repeats) -> their times) and keeps the matmul where it wins (matmul_wins).
+    Returns {key: {pass: (onednn_s,
     matmul_s)}} for the shapes it timed."""
     timings = {}
     with torch.no_grad():
         for key in sorted(set(keys) - set(_tuned_kernels)):
             calls = conv_pass_calls(key)
-            timings[key] = {name: (timer(onednn, repeats), timer(mm, repeats)) for name, (onednn, mm) in calls.items()}
+            timings[key] = {name: tuple(timer(pair, repeats)) for name, pair in calls.items()}
             _tuned_kernels[key] = tuple(matmul_wins(*pair) for pair in timings[key].values())
     return timings
+
+
+def conv_shape_name(key):
+    """A conv_key as logs name it: "2000x256x7x7->256 k3"."""
+    return f"{'x'.join(map(str, key[:4]))}->{key[4]} k{key[5]}"
 
 
 def tuned_kernels(keys=None):
     """The tuned choices (of these shapes; default all so far), for a run's log:
     {"2000x256x7x7->256 k3": "fwd onednn, dgrad onednn, wgrad matmul"}."""
     keys = sorted(_tuned_kernels if keys is None else set(keys) & set(_tuned_kernels))
-    return {f"{'x'.join(map(str, key[:4]))}->{key[4]} k{key[5]}":
-            ", ".join(f"{name} {'matmul' if mm else 'onednn'}" for name, mm in zip(CONV_PASSES, _tuned_kernels[key]))
+    return {conv_shape_name(key): ", ".join(f"{name} {'matmul' if mm else 'onednn'}"
+                                            for name, mm in zip(CONV_PASSES, _tuned_kernels[key]))
             for key in keys}
 
 

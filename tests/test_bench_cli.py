@@ -26,6 +26,7 @@ import bench_presets  # noqa: E402
     ("bench_allocator.py", ["--threads", "0"], "--out"),
     ("bench_ddp.py", ["--repeats", "0"], "--out"),
     ("bench_convs.py", ["--repeats", "0"], "--log-dir"),
+    ("bench_tuning.py", ["--times", "0"], "--log-dir"),
     ("eval_tta.py", ["missing.pt", "--repeats", "0"], "--log-dir"),
 ])
 def test_impossible_counts_exit_2_before_anything_is_written(tmp_path, script, args, log_option):

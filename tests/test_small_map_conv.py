@@ -160,9 +160,9 @@ def no_tuned_kernels():
 
 def fake_timer(matmul_share):
     """A timer for tune_small_map_convs: oneDNN's call takes 1 s, the matmul's matmul_share[pass] s."""
-    def timer(fn, repeats):
-        name, kernel = fn.__name__.split("_")
-        return matmul_share.get(name, 1.0) if kernel == "matmul" else 1.0
+    def timer(fns, repeats):
+        names = [fn.__name__.split("_") for fn in fns]
+        return [matmul_share.get(name, 1.0) if kernel == "matmul" else 1.0 for name, kernel in names]
     return timer
 
 
@@ -172,7 +172,7 @@ def test_tuning_keeps_the_matmul_only_where_it_is_clearly_faster(no_tuned_kernel
     assert timings == {key: dict(fwd=(1.0, 0.5), dgrad=(1.0, 0.95), wgrad=(1.0, 1.5))}
     assert tb.tuned_kernels() == {"4x8x3x3->8 k3": "fwd matmul, dgrad onednn, wgrad onednn"}  # (0.95: a near-tie)
     # a shape tuned once is not timed again
-    assert tb.tune_small_map_convs([key], timer=lambda fn, r: pytest.fail("timed twice")) == {}
+    assert tb.tune_small_map_convs([key], timer=lambda fns, r: pytest.fail("timed twice")) == {}
 
 
 def test_a_tuned_conv_records_its_shapes_takes_the_tuned_kernels_and_else_the_fixed_rule(no_tuned_kernels):
@@ -200,13 +200,26 @@ def test_a_tuned_conv_records_its_shapes_takes_the_tuned_kernels_and_else_the_fi
     assert seen == set()  # tuned already
 
 
+def test_timing_alternates_the_kernels_and_keeps_each_ones_fastest_call():
+    clock, order = [0.0], []
+    seconds = dict(a=[9, 3, 5, 4], b=[9, 6, 2, 7])  # each kernel's calls: the warm-up's, then each repeat's
+
+    def kernel(name):
+        def call():
+            order.append(name)
+            clock[0] += seconds[name][order.count(name) - 1]
+        return call
+    assert tb.time_conv_pass([kernel("a"), kernel("b")], repeats=3, clock=lambda: clock[0]) == [3, 2]
+    assert order == ["a", "b"] * 4
+
+
 def test_tuning_times_the_real_kernels_on_the_conv_shape(no_tuned_kernels):
     """Each timed call computes its pass of a conv of that shape, oneDNN's and the matmul's alike."""
     results = {}
 
-    def timer(fn, repeats):
-        results.setdefault("calls", []).append(fn())
-        return 1.0
+    def timer(fns, repeats):
+        results.setdefault("calls", []).extend(fn() for fn in fns)
+        return [1.0] * len(fns)
     tb.tune_small_map_convs([(2, 4, 3, 3, 6, 3)], timer=timer)
     shapes = [tuple(r.shape) for r in results["calls"]]
     assert shapes == [(2, 6, 3, 3)] * 2 + [(2, 4, 3, 3)] * 2 + [(6, 4, 3, 3)] * 2
@@ -217,7 +230,7 @@ def test_tuning_times_the_real_kernels_on_the_conv_shape(no_tuned_kernels):
 def test_a_cpu_run_tunes_its_convs_before_the_timer_and_logs_the_choices(no_tuned_kernels, monkeypatch):
     data = synthetic(64, 32)
     tuned = []
-    monkeypatch.setattr(tb, "time_conv_pass", lambda fn, repeats: 1.0)
+    monkeypatch.setattr(tb, "time_conv_pass", lambda fns, repeats: [1.0] * len(fns))
     real_tune = tb.tune_small_map_convs
     monkeypatch.setattr(tb, "tune_small_map_convs", lambda keys, **kw: tuned.append(set(keys)) or real_tune(
         keys, timer=fake_timer(dict(wgrad=0.1))))
