@@ -41,7 +41,8 @@ def one_after_the_other(fns, repeats):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="fast94", choices=sorted(train_cifar.PRESETS))
+    ap.add_argument("--preset", default="fast94", choices=sorted(train_cifar.PRESETS),
+                    help="whose small-map convs to tune")
     ap.add_argument("--times", type=int, default=5, help="tunings, each afresh")
     ap.add_argument("--one-after-the-other", action="store_true", help="time each kernel's calls in one go")
     ap.add_argument("--log-dir", default="logs", type=core.folder_option, help="where the JSON result goes")
