@@ -639,8 +639,7 @@ def conv_pass_calls(key, dtype=torch.bfloat16, generator=None):
 def tune_small_map_convs(keys, repeats=3, timer=time_conv_pass):
     """Times each pass of each conv shape not tuned yet both ways (on random data; in a run before the timer:
     timer((onednn_call, matmul_call), repeats) -> their times) and keeps the matmul where it wins (matmul_wins).
-    Returns {key: {pass: (onednn_s,
-    matmul_s)}} for the shapes it timed."""
+    Returns {key: {pass: (onednn_s, matmul_s)}} for the shapes it timed."""
     timings = {}
     with torch.no_grad():
         for key in sorted(set(keys) - set(_tuned_kernels)):
