@@ -572,6 +572,7 @@ def resolve_cpu_conv(mode):
 _tuned_kernels = {}
 _pending = None
 TUNE_MARGIN = 0.9  # the matmul must take under 90% of oneDNN's time: near-ties keep PyTorch's kernel
+TUNE_REPEATS = 3  # timed calls per kernel and pass (the fastest counts), after one warm-up call each
 
 
 def matmul_wins(onednn_s, matmul_s):
@@ -636,7 +637,7 @@ def conv_pass_calls(key, dtype=torch.bfloat16, generator=None):
     return calls
 
 
-def tune_small_map_convs(keys, repeats=3, timer=time_conv_pass):
+def tune_small_map_convs(keys, repeats=TUNE_REPEATS, timer=time_conv_pass):
     """Times each pass of each conv shape not tuned yet both ways (on random data; in a run before the timer:
     timer((onednn_call, matmul_call), repeats) -> their times) and keeps the matmul where it wins (matmul_wins).
     Returns {key: {pass: (onednn_s, matmul_s)}} for the shapes it timed."""

@@ -20,10 +20,6 @@ import core  # noqa: E402
 import torch_backend as tb  # noqa: E402
 import train_cifar  # noqa: E402
 
-N_TRAIN = 50000
-REPEATS = 3  # as a run tunes (tb.tune_small_map_convs' default)
-
-
 def preset_shapes(preset):
     """The small-map conv shapes a CPU run of the preset tunes (met while its FLOPs are counted, as in a run)."""
     cfg = train_cifar.make_config(preset, cpu_conv="tuned", precision="bf16")
@@ -31,7 +27,7 @@ def preset_shapes(preset):
     model = train_cifar.build_model(cfg, device)
     opt = train_cifar.make_optimizer(cfg, model)
     with tb.recording_small_map_shapes() as shapes:
-        train_cifar.run_flops(cfg, model, opt, device, "bf16", N_TRAIN)
+        train_cifar.run_flops(cfg, model, opt, device, "bf16", core.CIFAR10_TRAIN_IMAGES)
     return sorted(shapes)
 
 
@@ -60,7 +56,7 @@ def main(argv=None):
     for i in range(args.times):
         tb.forget_tuned_kernels()
         start = time.perf_counter()
-        timings = tb.tune_small_map_convs(shapes, repeats=REPEATS, timer=timer)
+        timings = tb.tune_small_map_convs(shapes, timer=timer)
         tunings.append({tb.conv_shape_name(key): {name: list(pair) for name, pair in passes.items()}
                         for key, passes in timings.items()})
         took = [f"{shape} {p}" for shape, passes in tunings[-1].items() for p, pair in passes.items()
@@ -85,7 +81,7 @@ def main(argv=None):
         path = core.stamped_log_path(args.log_dir, "bench_tuning", date)
         core.write_json_atomic(path, dict(
             preset=args.preset, hardware=hardware, torch=torch.__version__, commit=core.git_commit(), date=date,
-            timing="one after the other" if args.one_after_the_other else "alternating", repeats=REPEATS,
+            timing="one after the other" if args.one_after_the_other else "alternating", repeats=tb.TUNE_REPEATS,
             margin=tb.TUNE_MARGIN, tunings=tunings, summary=rows))
         print(f"log: {path}")
 
