@@ -359,7 +359,8 @@ def check_config(cfg):
     need(cfg["compile_mode"] in COMPILE_MODES, f"compile-mode must be one of {', '.join(COMPILE_MODES)}")
     need(int(cfg["batch_size"]) == cfg["batch_size"] and cfg["batch_size"] > 0,
          f"batch size must be a positive integer, got {cfg['batch_size']}")
-    need(0 < cfg["target"] <= 1, f"target must be in (0, 1], got {cfg['target']}")
+    need(0 < cfg["target"] <= 1, f"target must be in (0, 1], got {cfg['target']}"
+         + (f" (a percentage? {cfg['target'] / 100:g})" if 10 <= cfg["target"] <= 100 else ""))
     need(cfg["runs"] >= 1, f"runs must be at least 1, got {cfg['runs']}")
     need(-2 ** 63 <= cfg["seed"] and cfg["seed"] + cfg["runs"] - 1 < 2 ** 64,  # what torch's generators take
          f"seeds must lie in [-2^63, 2^64), got {cfg['seed']}" + (f" + {cfg['runs'] - 1}" if cfg["runs"] > 1 else ""))

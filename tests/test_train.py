@@ -40,6 +40,7 @@ def tiny_npz(tmp_path, tiny):
     (["--epochs", "1e9"], "epochs must be at most 10000, got 1e+09"),  # (planned every step's size, silently)
     (["--batch-size", "-4"], "batch size must be a positive integer"),
     (["--target", "1.5"], "target must be in (0, 1]"),
+    (["--target", "94"], "target must be in (0, 1], got 94.0 (a percentage? 0.94)"),
     (["--lr-knots", "0", "5", "9"], "same length"),
     (["--lr-knots", "0", "5", "2", "--lr-values", "0", "1", "0"], "lr-knots must be non-decreasing"),
     (["--label-smoothing", "1"], "label smoothing must be in [0, 1)"),  # every target uniform: nothing to learn
