@@ -1214,9 +1214,10 @@ TABLE_COLUMNS = ["run", "epoch", "lr", "train_loss", "train_acc", "test_acc", "e
 
 
 def summarise(cfg, results, hardware, precision, flops_per_step, steps, flops_per_run, commit, data=None,
-              cpu_conv_kernels=None):
+              cpu_conv_kernels=None, started=None):
     """The JSON summary of a train() call; data: the dataset's fingerprint (sizes and checksums as loaded), which
-    --from-log compares; cpu_conv_kernels: the kernels tuned for its small-map convs (tb.tuned_kernels)."""
+    --from-log compares; cpu_conv_kernels: the kernels tuned for its small-map convs (tb.tuned_kernels); started:
+    when the call began (UTC; the summary's own time, `written`, where not given)."""
     done = [r for r in results if r["accuracy"] is not None]
     acc_mean, acc_std = core.mean_std([r["accuracy"] for r in done])
     reached = [r for r in done if r["epoch_reached_target"] is not None]
@@ -1226,7 +1227,7 @@ def summarise(cfg, results, hardware, precision, flops_per_step, steps, flops_pe
         preset=cfg["preset"], config={k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()},
         world_size=torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
         precision=precision, hardware=hardware, torch=torch.__version__, commit=commit, data_fingerprint=data,
-        started=core.utc_timestamp(),
+        started=started or core.utc_timestamp(), written=core.utc_timestamp(),
         train_flops_per_step=flops_per_step, train_steps=steps, train_flops_per_run=flops_per_run, runs=results,
         accuracy_mean=acc_mean, accuracy_std=acc_std, runs_reaching_target=len(reached), runs_finished=len(done),
         total_time_mean_s=time_mean, total_time_std_s=time_std,
@@ -1363,6 +1364,7 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
         on_device.update(raw_train_x=data["train_x"], raw_train_y=data["train_y"])
         pipeline.encode_pngs(data["train_x"])  # once, outside the timer (cached per array)
     hardware, commit = tb.device_name(device), core.git_commit()  # the code as it was when the run started
+    started = core.utc_timestamp()  # the log's `started`; each rewrite of it stamps `written`
     if world > 1:
         hardware = f"{world} processes x {hardware}"
 
@@ -1430,7 +1432,7 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
                 continue
             if json_path:  # rewritten after every run so a crash keeps the finished ones
                 core.write_json_atomic(json_path, summarise(cfg, results, hardware, precision, flops_per_step, steps,
-                                                            flops_per_run, commit, data_id, kernels()))
+                                                            flops_per_run, commit, data_id, kernels(), started))
     except (KeyboardInterrupt, RuntimeError) as e:  # Ctrl-C, SIGTERM under main(), or a lost peer: say what is kept
         if isinstance(e, RuntimeError) and not parallel.lost_peer(e):
             raise
@@ -1451,7 +1453,7 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
         if progress:  # (an interrupted epoch leaves its line)
             progress.clear()
         summary = summarise(cfg, results, hardware, precision, flops_per_step, steps, flops_per_run, commit, data_id,
-                            kernels())
+                            kernels(), started)
         if tsv:
             tsv.close()
         # No log where nothing trained: a run refused before its first epoch (say a checkpoint of another

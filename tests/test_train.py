@@ -1,7 +1,9 @@
 import collections
 import contextlib
+import copy
 import datetime
 import io
+import itertools
 import json
 import math
 import os
@@ -1506,6 +1508,26 @@ def test_two_runs_started_in_the_same_second_get_logs_of_their_own(tmp_path, mon
     assert a["log_json"] != b["log_json"] and len(list(tmp_path.iterdir())) == 4
     assert json.load(open(a["log_json"]))["runs"][0]["seed"] == 0
     assert len(core.read_tsv(a["log_json"][:-5] + ".tsv")) == 1
+
+
+def test_a_log_says_when_its_invocation_started_and_when_it_was_last_written(tmp_path, monkeypatch):
+    """`started` was stamped each time the JSON was rewritten, so every log's `started` was when it ended (a
+    fast96 seed's 18:54 for a run begun at 18:20). The clock below ticks a second per reading; the JSON rewritten
+    after each of two runs must keep the first reading as `started` and take a later one as `written`."""
+    ticks = itertools.count()
+    monkeypatch.setattr(core, "utc_timestamp", lambda: f"2026-12-07T18:20:{next(ticks):02d}+00:00")
+    seen = []
+    real_write = core.write_json_atomic
+    monkeypatch.setattr(core, "write_json_atomic", lambda path, obj: (seen.append(copy.deepcopy(obj)), real_write(path, obj)))
+    out = train_cifar.train("resnet9", data=synthetic(200, 50), log=lambda *a: None, log_dir=str(tmp_path),
+                            **dict(TINY, epochs=1, runs=2))
+    summaries = [s for s in seen if "runs" in s]
+    assert len(summaries) >= 2 and [len(s["runs"]) for s in summaries][:2] == [1, 2]
+    first = summaries[0]["started"]
+    assert all(s["started"] == first for s in summaries)
+    assert all(s["written"] > first for s in summaries) and summaries[-1]["written"] > summaries[0]["written"]
+    saved = json.load(open(out["log_json"]))
+    assert saved["started"] == first and saved["written"] == summaries[-1]["written"]
 
 
 def test_an_evaluation_shows_progress_per_batch_of_test_images():
