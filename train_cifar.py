@@ -159,10 +159,10 @@ PRESETS = {
     # (18 reach 94%). Today's code, Zen 5: 94.13 ± 0.12% (n=15, seeds 0-14; 12 reach 94%), 378 ± 12 s,
     # logs/fast94-20261205-233635-20167, -20261206-064345-22605, -090322-32690. AMX Xeon model 167, tuned convs:
     # 94.13 ± 0.14% (n=20, 16 reach 94%), 292 ± 9 s, logs/fast94-20261206-134907-6830, -142437-7678,
-    # -145221-9220, -173718-17956. Zen 4, tuned: 94.11 ± 0.15% (n=5), 728 ± 13 s, logs/fast94-20261207-133313-4243.
-    # NVIDIA H200, compiled: 94.14 ± 0.12% (n=20, 18 reach 94%), 2.79 ± 0.24 s a run,
-    # logs/fast94-20261204-163352-1899 (the lease before, only the net compiled: 94.08 ± 0.15%, 2.67 ± 0.19 s,
-    # logs/fast94-20261204-101918-1831).
+    # -145221-9220, -173718-17956. Zen 4, tuned: 94.11 ± 0.16% (n=10), 729 ± 17 s,
+    # logs/fast94-20261207-133313-4243, -185816-24813. NVIDIA H200, compiled: 94.14 ± 0.12% (n=20, 18 reach
+    # 94%), 2.79 ± 0.24 s a run, logs/fast94-20261204-163352-1899 (the lease before, only the net compiled: 94.08 ±
+    # 0.15%, 2.67 ± 0.19 s, logs/fast94-20261204-101918-1831).
     # Same machine and seeds, the forms before: 8 epochs, the first 3 at 24 px (0.234 PF): 93.87 ± 0.15%
     # (logs/fast94-20261202-034005-2703, -035808-3828; 94.02 ± 0.17% on the AMX CPU, logs/fast94-20261202-010346-
     # 15337 and -012426-15601: 93.95 over the ten, at 94.0 rather than above it); 9 epochs, 20 px then 3 at 24
