@@ -1516,9 +1516,12 @@ def test_a_log_says_when_its_invocation_started_and_when_it_was_last_written(tmp
     after each of two runs must keep the first reading as `started` and take a later one as `written`."""
     ticks = itertools.count()
     monkeypatch.setattr(core, "utc_timestamp", lambda: f"2026-12-07T18:20:{next(ticks):02d}+00:00")
-    seen = []
-    real_write = core.write_json_atomic
-    monkeypatch.setattr(core, "write_json_atomic", lambda path, obj: (seen.append(copy.deepcopy(obj)), real_write(path, obj)))
+    seen, real_write = [], core.write_json_atomic
+
+    def write(path, obj):  # a copy of each JSON as written (a later run adds to the same lists)
+        seen.append(copy.deepcopy(obj))
+        real_write(path, obj)
+    monkeypatch.setattr(core, "write_json_atomic", write)
     out = train_cifar.train("resnet9", data=synthetic(200, 50), log=lambda *a: None, log_dir=str(tmp_path),
                             **dict(TINY, epochs=1, runs=2))
     summaries = [s for s in seen if "runs" in s]
