@@ -1218,6 +1218,7 @@ def summarise(cfg, results, hardware, precision, flops_per_step, steps, flops_pe
     """The JSON summary of a train() call; data: the dataset's fingerprint (sizes and checksums as loaded), which
     --from-log compares; cpu_conv_kernels: the kernels tuned for its small-map convs (tb.tuned_kernels); started:
     when the call began (UTC; the summary's own time, `written`, where not given)."""
+    written = core.utc_timestamp()
     done = [r for r in results if r["accuracy"] is not None]
     acc_mean, acc_std = core.mean_std([r["accuracy"] for r in done])
     reached = [r for r in done if r["epoch_reached_target"] is not None]
@@ -1227,7 +1228,7 @@ def summarise(cfg, results, hardware, precision, flops_per_step, steps, flops_pe
         preset=cfg["preset"], config={k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()},
         world_size=torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
         precision=precision, hardware=hardware, torch=torch.__version__, commit=commit, data_fingerprint=data,
-        started=started or core.utc_timestamp(), written=core.utc_timestamp(),
+        started=started or written, written=written,
         train_flops_per_step=flops_per_step, train_steps=steps, train_flops_per_run=flops_per_run, runs=results,
         accuracy_mean=acc_mean, accuracy_std=acc_std, runs_reaching_target=len(reached), runs_finished=len(done),
         total_time_mean_s=time_mean, total_time_std_s=time_std,
