@@ -1380,8 +1380,11 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
     if cfg["cpu_conv"] == "tuned":
         tune_cpu_convs(conv_shapes, log)
 
-    def kernels():  # read as each log is written: a resumed run takes the choices its checkpoint holds
-        return tb.tuned_kernels(conv_shapes) if cfg["cpu_conv"] == "tuned" else None
+    def summary_now():  # the JSON as it stands, after each run and at the end
+        # (the kernels read at each write: a resumed run takes the choices its checkpoint holds)
+        kernels = tb.tuned_kernels(conv_shapes) if cfg["cpu_conv"] == "tuned" else None
+        return summarise(cfg, results, hardware, precision, flops_per_step, steps, flops_per_run, commit, data_id,
+                         kernels, started)
 
     name = f"{cfg['preset']}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     tsv = json_path = None
@@ -1432,8 +1435,7 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
                 replayed.append(res)
                 continue
             if json_path:  # rewritten after every run so a crash keeps the finished ones
-                core.write_json_atomic(json_path, summarise(cfg, results, hardware, precision, flops_per_step, steps,
-                                                            flops_per_run, commit, data_id, kernels(), started))
+                core.write_json_atomic(json_path, summary_now())
     except (KeyboardInterrupt, RuntimeError) as e:  # Ctrl-C, SIGTERM under main(), or a lost peer: say what is kept
         if isinstance(e, RuntimeError) and not parallel.lost_peer(e):
             raise
@@ -1453,8 +1455,7 @@ def train(preset=DEFAULT_PRESET, data=None, data_path=None, device=None, log=pri
     finally:
         if progress:  # (an interrupted epoch leaves its line)
             progress.clear()
-        summary = summarise(cfg, results, hardware, precision, flops_per_step, steps, flops_per_run, commit, data_id,
-                            kernels(), started)
+        summary = summary_now()
         if tsv:
             tsv.close()
         # No log where nothing trained: a run refused before its first epoch (say a checkpoint of another
