@@ -232,9 +232,9 @@ PRESETS = {
     # peak 9 per 1024 examples on a summed loss (kilostep scale 7851) is 0.587 here, weight decay 0.012 per 1024
     # examples is 2.67e-3 (decay per step 1.57e-3 at the peak). The whitening bias trains throughout at the plain
     # LR (the reference's freeze never triggers); lookahead from the start, its average copied into the net at
-    # the end only. Here (bf16, 2-core CPUs): 95.99 ± 0.11% over seeds 0-25 (n=26, 15 reach 96%; 0.01 short):
-    # 96.15 on an AMX Xeon (model 207); 95.92 ± 0.07 (n=4) on a Zen 4; 96.02 ± 0.10 (n=6) on a Zen 5; 95.98 ± 0.12
-    # (n=15) on an AMX Xeon model 167; 0.8-2.4 h a run. Each seed's log: RESULTS.md's fast96 row (or all of them,
+    # the end only. Here (bf16, 2-core CPUs): 95.98 ± 0.11% over seeds 0-26 (n=27, 15 reach 96%; 0.02 short):
+    # 96.15 on an AMX Xeon (model 207); 95.90 ± 0.07 (n=5) on a Zen 4; 96.02 ± 0.10 (n=6) on a Zen 5; 95.98 ± 0.12
+    # (n=15) on an AMX Xeon model 167; 0.8-2.6 h a run. Each seed's log: RESULTS.md's fast96 row (or all of them,
     # with the H200's: python compare_runs.py logs/fast96-*.json).
     # NVIDIA H200, compiled: 95.95 ± 0.16% (n=9, 4 reach 96%), 24.6 ± 1.4 s a run, logs/fast96-20261204-163515-2040
     # and -163937-2863 (the lease before: 95.98 ± 0.08%, n=3, 22.5 ± 0.6 s, logs/fast96-20261204-102203-2565).
